@@ -1,0 +1,32 @@
+"""mindzero: ZeRO (stages 0-3) for MindSpore data-parallel training.
+
+``train_net = prepare_train_network(net_with_loss, optimizer, zero_stage=2)``;
+``loss, overflow, scale = train_net(*inputs)``.
+
+The pure-Python parts (:mod:`mindzero.plan`, :mod:`mindzero.config`, the
+formulas in :mod:`mindzero.memory`) import without MindSpore; the names that
+need MindSpore are imported on first use.
+"""
+from importlib import import_module
+
+from .config import STAGES, StagePolicy, ZeroConfig, stage_policy
+from .memory import expected_bytes
+from .plan import ParamInfo, PartitionPlan, ShardSpec
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "prepare_train_network": "mindzero.prepare",
+    "gather_full_state_dict": "mindzero.checkpoint",
+    "memory_report": "mindzero.memory",
+    "register_elementwise_optimizer": "mindzero.optim",
+}
+
+__all__ = sorted(["STAGES", "StagePolicy", "ZeroConfig", "stage_policy", "expected_bytes", "ParamInfo",
+                  "PartitionPlan", "ShardSpec", *_LAZY])
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mindzero' has no attribute {name!r}")

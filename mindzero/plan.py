@@ -1,0 +1,223 @@
+"""Partition plan: which rank owns which slice of every parameter.
+
+Vocabulary (used across mindzero):
+
+* **full parameter**: a network Parameter as the user built it, shape ``S``,
+  ``numel(S)`` elements.
+* **shard**: this rank's contiguous 1/N of the *flattened, zero-padded* full
+  parameter. ``shard_size = ceil(numel / N)``; rank ``r`` owns flat elements
+  ``[r * shard_size, (r + 1) * shard_size)``. The padding lives only in the last
+  rank(s) and is always zero. Every shape is shardable this way, including
+  ``(7, 15)`` over 4 ranks and a scalar.
+* **padded shard**: the shard including its padding; every rank's shard of one
+  parameter has the same ``shard_size`` elements.
+* **op group** (optimizer-parallel group): the ranks that share one copy of the
+  sharded state; ``group_size`` below is its size.
+* **replicated**: a parameter every rank keeps whole, with the reason recorded
+  (``parallel_optimizer=False``, not trained by the optimizer, or empty).
+
+This module is pure Python (no MindSpore import): the train step, the memory
+report and the checkpoint tools all build the same :class:`PartitionPlan`.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+# bytes per element of the dtypes a MindSpore network holds
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+
+REASON_USER = "parallel_optimizer=False"
+REASON_NOT_OPTIMIZED = "not updated by the optimizer (buffer or frozen)"
+REASON_EMPTY = "has no elements"
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (a name such as ``"float32"``)."""
+    key = str(dtype).lower().replace("mindspore.", "")
+    if key not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    return DTYPE_BYTES[key]
+
+
+def shard_size_for(numel: int, group_size: int) -> int:
+    """Elements per rank of a parameter with ``numel`` elements: ``ceil(numel / group_size)``."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    return -(-numel // group_size)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One parameter's partition over an op group, seen from one rank.
+
+    ``offset`` is where this rank's shard starts in the flat padded parameter;
+    ``valid`` is how many of its ``shard_size`` elements are real (the rest are
+    padding). A replicated parameter has ``shard_size == numel`` and offset 0.
+    """
+
+    name: str
+    shape: tuple  # full shape, as the user built it
+    dtype: str
+    group_size: int
+    rank: int
+    sharded: bool
+    reason: str = ""  # why the parameter is replicated; empty when sharded
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.group_size:
+            raise ValueError(f"rank must be in [0, group_size={self.group_size}), got {self.rank} "
+                             f"for parameter {self.name!r}")
+        if any((not isinstance(d, int)) or d < 0 for d in self.shape):
+            raise ValueError(f"shape of parameter {self.name!r} must be non-negative ints, got {self.shape}")
+        dtype_bytes(self.dtype)
+        if not self.sharded and not self.reason:
+            raise ValueError(f"replicated parameter {self.name!r} needs a reason")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def shard_size(self) -> int:  # elements per rank, padding included
+        return shard_size_for(self.numel, self.group_size) if self.sharded else self.numel
+
+    @property
+    def padded_numel(self) -> int:  # 1D length of the flat padded full parameter
+        return self.shard_size * self.group_size if self.sharded else self.numel
+
+    @property
+    def padding(self) -> int:  # zeros appended to the flat full parameter
+        return self.padded_numel - self.numel
+
+    @property
+    def offset(self) -> int:  # first flat element of this rank's shard
+        return self.rank * self.shard_size if self.sharded else 0
+
+    @property
+    def valid(self) -> int:  # real (non-padding) elements in this rank's shard
+        if not self.sharded:
+            return self.numel
+        return max(0, min(self.numel, self.offset + self.shard_size) - self.offset)
+
+    @property
+    def local_numel(self) -> int:  # elements this rank stores for the parameter's sharded state
+        return self.shard_size
+
+    def owner_of(self, flat_index: int) -> int:
+        """The rank that owns flat element ``flat_index`` of the full parameter."""
+        if not 0 <= flat_index < self.numel:
+            raise IndexError(f"flat_index must be in [0, {self.numel}) for {self.name!r}, got {flat_index}")
+        return flat_index // self.shard_size if self.sharded else self.rank
+
+    def for_rank(self, rank: int) -> "ShardSpec":
+        """The same parameter's spec as seen from ``rank``."""
+        return ShardSpec(self.name, self.shape, self.dtype, self.group_size, rank, self.sharded, self.reason)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What the plan needs to know of one parameter; built from a MindSpore Parameter or by hand."""
+
+    name: str
+    shape: tuple
+    dtype: str = "float32"
+    optimized: bool = True  # updated by the optimizer
+    parallel_optimizer: bool = True  # the user's per-parameter opt-out
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """Every parameter's :class:`ShardSpec` for one rank of an op group.
+
+    Build it with :meth:`build`; it is the one source of truth for which
+    parameters are sharded, their padding and their owners.
+    """
+
+    group_size: int
+    rank: int
+    specs: tuple = field(default_factory=tuple)
+
+    @staticmethod
+    def build(params: Iterable[ParamInfo], group_size: int, rank: int) -> "PartitionPlan":
+        """Shard every optimized, non-empty parameter that the user did not opt out.
+
+        Raises:
+            ValueError: ``group_size`` < 1, ``rank`` outside ``[0, group_size)``, or a
+                duplicate parameter name.
+        """
+        if not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < group_size:
+            raise ValueError(f"rank must be an int in [0, group_size={group_size}), got {rank!r}")
+        specs, seen = [], set()
+        for p in params:
+            if p.name in seen:
+                raise ValueError(f"parameter names must be unique, got {p.name!r} twice")
+            seen.add(p.name)
+            shape = tuple(int(d) for d in p.shape)
+            reason = ""
+            if not p.parallel_optimizer:
+                reason = REASON_USER
+            elif not p.optimized:
+                reason = REASON_NOT_OPTIMIZED
+            elif math.prod(shape) == 0:
+                reason = REASON_EMPTY
+            specs.append(ShardSpec(p.name, shape, str(p.dtype), group_size, rank, not reason, reason))
+        return PartitionPlan(group_size, rank, tuple(specs))
+
+    def __getitem__(self, name: str) -> ShardSpec:
+        for s in self.specs:
+            if s.name == name:
+                return s
+        raise KeyError(f"parameter {name!r} is not in the partition plan")
+
+    def __iter__(self):
+        return iter(self.specs)
+
+    def __len__(self):
+        return len(self.specs)
+
+    @property
+    def sharded(self) -> tuple:
+        return tuple(s for s in self.specs if s.sharded)
+
+    @property
+    def replicated(self) -> tuple:
+        return tuple(s for s in self.specs if not s.sharded)
+
+    def for_rank(self, rank: int) -> "PartitionPlan":
+        return PartitionPlan(self.group_size, rank, tuple(s.for_rank(rank) for s in self.specs))
+
+    def fingerprint(self) -> str:
+        """A hash of what every rank must agree on (names, shapes, dtypes, sharding, group size)."""
+        text = repr([(s.name, s.shape, s.dtype, s.sharded) for s in self.specs] + [self.group_size])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def summary(self) -> str:
+        """Human-readable lines: counts, padding and the replicated parameters with reasons."""
+        pad = sum(s.padding for s in self.sharded)
+        lines = [f"partition plan: {len(self.sharded)} sharded, {len(self.replicated)} replicated parameters "
+                 f"over an op group of {self.group_size} (rank {self.rank}); padding {pad} elements in all"]
+        for s in self.replicated:
+            lines.append(f"  replicated {s.name} {s.shape}: {s.reason}")
+        return "\n".join(lines)
+
+
+def split_flat(values: Sequence, spec: ShardSpec) -> list:
+    """Pure-Python reference of the split: the padded shards of a flat sequence, one per rank."""
+    if len(values) != spec.numel:
+        raise ValueError(f"values must have numel={spec.numel} elements for {spec.name!r}, got {len(values)}")
+    padded = list(values) + [0] * spec.padding
+    return [padded[r * spec.shard_size:(r + 1) * spec.shard_size] for r in range(spec.group_size)]

@@ -1,0 +1,181 @@
+"""``prepare_train_network``: wrap a network and its optimizer into a ZeRO train step.
+
+This module validates the arguments, builds the partition plan and assembles
+the per-stage pieces (shards, gradient reducers, optimizer re-pointing); the
+step itself is :class:`mindzero.train_step.ZeroTrainOneStepCell`.
+"""
+from __future__ import annotations
+
+import logging
+import numbers
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn
+
+from .comm import World, current_world, resolve_group
+from .config import ZeroConfig
+from .optim import check_optimizer, shard_optimizer, state_tuples
+from .plan import ParamInfo, PartitionPlan
+from .shard import make_shard, shard_network_parameters
+from .train_step import GatherInto, Identity, MeanAllReduce, MeanReduceScatter, ZeroTrainOneStepCell
+
+logger = logging.getLogger("mindzero")
+
+
+def _scale_sense(scale_sense):
+    """``(Parameter, manager Cell or None)`` from a number, a Tensor or a loss-scale update Cell."""
+    if isinstance(scale_sense, nn.Cell):
+        if not hasattr(scale_sense, "get_loss_scale"):
+            raise ValueError(f"scale_sense must be a number, a Tensor or a loss-scale update Cell with "
+                             f"get_loss_scale() (e.g. nn.DynamicLossScaleUpdateCell), got {type(scale_sense).__name__}")
+        value, manager = float(scale_sense.get_loss_scale()), scale_sense
+    elif isinstance(scale_sense, Tensor):
+        if scale_sense.size != 1:
+            raise ValueError(f"scale_sense must be a scalar Tensor, got shape {scale_sense.shape}")
+        value, manager = float(scale_sense.asnumpy().reshape(())), None
+    elif isinstance(scale_sense, numbers.Real) and not isinstance(scale_sense, bool):
+        value, manager = float(scale_sense), None
+    else:
+        raise ValueError(f"scale_sense must be a number, a Tensor or a loss-scale update Cell, got {scale_sense!r}")
+    if not value > 0:
+        raise ValueError(f"scale_sense must be > 0, got {value}")
+    return Parameter(Tensor(value, ms.float32), name="scale_sense", requires_grad=False), manager
+
+
+def _refuse_unimplemented(ema, updates, optimizer_offload, comm_fusion, parallel_modules):
+    if ema is not None:
+        raise NotImplementedError("ema: exponential moving averages are not implemented in mindzero yet; pass None")
+    if updates != 0:
+        raise ValueError(f"updates is the EMA's initial step count and needs ema; got updates={updates!r} with ema=None")
+    if optimizer_offload:
+        raise NotImplementedError("optimizer_offload=True: offloading optimizer states to the host is not "
+                                  "implemented yet; pass False")
+    if comm_fusion:
+        raise NotImplementedError(f"comm_fusion={comm_fusion!r}: bucketed (fused) communication is not "
+                                  "implemented yet; pass None")
+    if parallel_modules is not None:
+        raise NotImplementedError("parallel_modules: user-supplied per-layer parallel wrappers are not needed "
+                                  "(stage 3 works for any Cell) and not supported; pass None")
+
+
+def build_plan(network, optimizer, world: World) -> PartitionPlan:
+    """The partition plan of ``network``'s parameters for this rank, in ``network.get_parameters()`` order."""
+    optimized = {id(p) for p in optimizer.parameters}
+    infos = [ParamInfo(p.name, tuple(p.shape), str(p.dtype).lower(), id(p) in optimized,
+                       bool(getattr(p, "parallel_optimizer", True)))
+             for p in network.get_parameters()]
+    return PartitionPlan.build(infos, world.group_size, world.rank)
+
+
+def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates=0, drop_overflow_update=True,
+                          gradient_accumulation_steps=1, clip_grad=False, clip_norm=1.0, verbose=False,
+                          zero_stage=0, optimizer_offload=False, optimizer_parallel_group=None, dp_group=None,
+                          comm_fusion=None, parallel_modules=None):
+    """Wrap ``network`` (which returns the loss) and ``optimizer`` into a ZeRO train step.
+
+    Must be called on all ranks, with the same network and optimizer structure,
+    after ``mindspore.communication.init()`` (or without it, for one process).
+
+    Args:
+        network: a Cell returning a scalar loss.
+        optimizer: a ``mindspore.nn.Optimizer`` over (a subset of) ``network``'s parameters.
+            From stage 1 on it is re-pointed at shard Parameters in place; do not reuse it elsewhere.
+        scale_sense: loss scale: a number, a scalar Tensor, or ``nn.DynamicLossScaleUpdateCell``.
+        drop_overflow_update: skip the update on all ranks when any rank's gradients overflow.
+        gradient_accumulation_steps: micro-batches per update (each call is one micro-batch).
+        clip_grad, clip_norm: clip by the global norm over all shards.
+        verbose: log the partition plan on rank 0.
+        zero_stage: 0 (plain data parallel), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters).
+        optimizer_parallel_group, dp_group: ``None`` or the world group (sub-groups not implemented).
+        ema, updates, optimizer_offload, comm_fusion, parallel_modules: mindone's arguments;
+            the non-default values raise ``NotImplementedError`` naming the argument.
+
+    Returns:
+        :class:`ZeroTrainOneStepCell`; ``loss, overflow, scale = train_net(*inputs)``.
+
+    Raises:
+        ValueError / TypeError: bad arguments (the message names the argument, value and rule).
+    """
+    config = ZeroConfig(zero_stage, gradient_accumulation_steps, clip_grad, clip_norm, drop_overflow_update, verbose)
+    if not isinstance(network, nn.Cell):
+        raise TypeError(f"network must be a mindspore.nn.Cell, got {type(network).__name__}")
+    world = current_world()
+    resolve_group(optimizer_parallel_group, "optimizer_parallel_group", world)
+    resolve_group(dp_group, "dp_group", world)
+    _refuse_unimplemented(ema, updates, optimizer_offload, comm_fusion, parallel_modules)
+    policy = config.policy
+    network_params = {p.name: p for p in network.get_parameters()}
+    check_optimizer(optimizer, network_params, policy.shard_optimizer_states)
+    scale_param, manager = _scale_sense(scale_sense)
+    plan = build_plan(network, optimizer, world)
+    specs = {s.name: s for s in plan}
+    opt_params = list(optimizer.parameters)
+    opt_specs = [specs[p.name] for p in opt_params]
+    sharded = [s.sharded and policy.shard_optimizer_states for s in opt_specs]
+
+    weights, optimizer_targets, gathers, full_params, masters = opt_params, opt_params, [], [], []
+    if policy.shard_parameters:
+        shards = shard_network_parameters(network, specs, world)
+        weights = [shards[p.name] if flag else p for p, flag in zip(opt_params, sharded)]
+        optimizer_targets = weights
+    elif policy.shard_optimizer_states:
+        optimizer_targets = []
+        for p, spec, flag in zip(opt_params, opt_specs, sharded):
+            if not flag:
+                optimizer_targets.append(p)
+                continue
+            master = make_shard(p, spec, "zero_master." + p.name)
+            optimizer_targets.append(master)
+            masters.append(master)
+            full_params.append(p)
+            gathers.append(GatherInto(p, spec.numel, world))
+    if policy.shard_optimizer_states:
+        state_attrs = shard_optimizer(optimizer, opt_specs, optimizer_targets)
+    else:
+        state_attrs = tuple(state_tuples(optimizer))
+
+    micro, boundary, buffers = [], [], []
+    for p, spec, flag in zip(opt_params, opt_specs, sharded):
+        if flag and policy.shard_parameters:
+            micro.append(Identity())  # reduced by GatherFull's bprop
+            boundary.append(Identity())
+        elif flag and policy.shard_gradients:
+            micro.append(MeanReduceScatter(spec.padding, world))
+            boundary.append(Identity())
+        elif flag:
+            micro.append(Identity())
+            boundary.append(MeanReduceScatter(spec.padding, world))
+        else:
+            micro.append(Identity())
+            boundary.append(MeanAllReduce(world))
+        if config.gradient_accumulation_steps > 1:
+            local = spec.shard_size if (flag and policy.shard_gradients) else spec.numel
+            shape = (local,) if (flag and policy.shard_gradients) else tuple(p.shape)
+            buffers.append(Parameter(Tensor(_zeros(shape, p.dtype)),
+                                     name="zero_accum." + p.name, requires_grad=False))
+
+    train_net = ZeroTrainOneStepCell(network, optimizer, weights, micro, boundary, sharded, gathers, full_params,
+                                     masters, buffers, scale_param, manager, config, world)
+    train_net.zero_info = ZeroInfo(config, world, plan, tuple(state_attrs), tuple(masters), tuple(buffers))
+    if verbose and world.rank == 0:
+        logger.warning("mindzero: zero_stage=%d, group size %d\n%s", config.zero_stage, world.group_size,
+                       plan.summary())
+    return train_net
+
+
+def _zeros(shape, dtype):
+    return np.zeros(shape, dtype=ms.dtype_to_nptype(dtype))
+
+
+class ZeroInfo:
+    """What mindzero built for a train step (read by memory reports, checkpoints and tools)."""
+
+    def __init__(self, config, world, plan, state_attrs, master_shards, accum_buffers):
+        self.config = config
+        self.world = world
+        self.plan = plan
+        self.state_attrs = state_attrs
+        self.master_shards = master_shards
+        self.accum_buffers = accum_buffers

@@ -1,0 +1,136 @@
+"""Shard Parameters, and stage-3 access to full parameters from any Cell.
+
+Stage 3 technique (works for Cells nobody registered): for every Cell that
+owns a sharded Parameter under attribute ``w``, the Parameter is removed from
+the Cell, its shard is stored as ``w_zero_shard`` (keeping the parameter's
+original name), and a Python ``property`` named ``w`` is installed on a
+subclass made for that instance (``cell.__class__ = type(...)``). The property
+returns ``GatherFull(shard)``: the Cell's own ``construct`` reads ``self.w``
+unchanged and MindSpore's graph mode parses the property. ``GatherFull``
+all-gathers in forward and reduce-scatters (mean) in its custom ``bprop``, so
+the gradient w.r.t. a shard arrives already reduced over the op group.
+
+A Parameter shared by several Cells (tied weights) gets one shard and one
+``GatherFull`` per reading Cell; their gradients add up.
+
+Warning: outside ``construct`` reading ``cell.w`` of a stage-3 network runs an
+all-gather, so it must be done on all ranks.
+"""
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from .comm import AllGather, ReduceScatterSum, World
+from .plan import ShardSpec
+
+SHARD_SUFFIX = "_zero_shard"
+GATHER_PREFIX = "_zero_gather_"
+
+
+def shard_array(full: np.ndarray, spec: ShardSpec) -> np.ndarray:
+    """This rank's padded shard (1D) of ``full``, per ``spec``."""
+    flat = np.ascontiguousarray(full).reshape(-1)
+    if flat.size != spec.numel:
+        raise ValueError(f"tensor for {spec.name!r} has {flat.size} elements, the plan says {spec.numel}")
+    if not spec.sharded:
+        return flat.copy()
+    out = np.zeros(spec.shard_size, dtype=flat.dtype)
+    out[:spec.valid] = flat[spec.offset:spec.offset + spec.valid]
+    return out
+
+
+def make_shard(tensor_or_param, spec: ShardSpec, name: str, requires_grad: bool = True) -> Parameter:
+    """A new 1D Parameter named ``name`` holding this rank's padded shard of ``tensor_or_param``."""
+    return Parameter(Tensor(shard_array(tensor_or_param.asnumpy(), spec)), name=name, requires_grad=requires_grad)
+
+
+def flat_padded(x, padding: int):
+    """Graph-mode helper: ``x`` flattened to 1D with ``padding`` zeros appended."""
+    flat = x.reshape((-1,))
+    if padding:
+        flat = ops.concat((flat, ops.zeros((padding,), flat.dtype)))
+    return flat
+
+
+class GatherFull(nn.Cell):
+    """Full parameter from its shard: all-gather in forward, mean reduce-scatter in backward.
+
+    Communication: forward AllGather of ``shard_size`` elements per rank; backward
+    ReduceScatter (CPU: AllReduce + slice) of ``padded_numel`` elements.
+    """
+
+    def __init__(self, spec: ShardSpec, world: World):
+        super().__init__(auto_prefix=False)
+        self.gather = AllGather(world)
+        self.reduce_scatter = ReduceScatterSum(world)
+        self.numel = spec.numel
+        self.shape = tuple(spec.shape)
+        self.padding = spec.padding
+        self.inv_group = 1.0 / world.group_size
+
+    def construct(self, shard):
+        full = self.gather(shard)
+        return full[:self.numel].reshape(self.shape)
+
+    def bprop(self, shard, out, dout):
+        grad = self.reduce_scatter(flat_padded(dout, self.padding))
+        return (grad * ops.cast(self.inv_group, grad.dtype),)
+
+
+def _full_property(attr: str) -> property:
+    gather_name = GATHER_PREFIX + attr
+    shard_name = attr + SHARD_SUFFIX
+
+    def full(self):
+        return getattr(self, gather_name)(getattr(self, shard_name))
+
+    full.__name__ = attr
+    return property(full, doc=f"full value of {attr!r}, gathered from its shard (mindzero stage 3)")
+
+
+def _own_subclass(cell: nn.Cell) -> type:
+    """A class used by ``cell`` alone, so properties installed on it touch no other instance."""
+    cls = type(cell)
+    if cls.__dict__.get("_mindzero_owner") == id(cell):
+        return cls
+    sub = type(cls.__name__, (cls,), {"_mindzero_owner": id(cell), "__module__": cls.__module__})
+    cell.__class__ = sub
+    return sub
+
+
+def shard_network_parameters(network: nn.Cell, specs: dict, world: World) -> dict:
+    """Stage 3: replace every sharded Parameter of ``network`` by its shard, in place.
+
+    Args:
+        network: the user's Cell.
+        specs: parameter name -> :class:`ShardSpec`; only ``sharded`` specs are touched.
+        world: the op group.
+
+    Returns:
+        parameter name -> shard Parameter (one per full Parameter, shared by tied uses).
+    """
+    shards = {}
+    gathers = {}
+    for _, cell in network.cells_and_names():
+        for attr, param in list(cell._params.items()):
+            if param is None or param.name not in specs or not specs[param.name].sharded:
+                continue
+            spec = specs[param.name]
+            if param.name not in shards:
+                shards[param.name] = make_shard(param, spec, param.name, param.requires_grad)
+                gathers[param.name] = GatherFull(spec, world)
+            del cell._params[attr]
+            cell.insert_param_to_cell(attr + SHARD_SUFFIX, shards[param.name])
+            cell.insert_child_to_cell(GATHER_PREFIX + attr, gathers[param.name])
+            setattr(_own_subclass(cell), attr, _full_property(attr))
+    return shards
+
+
+def is_stage3_cell(cell: nn.Cell) -> bool:
+    return "_mindzero_owner" in type(cell).__dict__
+
+
+def tensor_nbytes(t) -> int:
+    return int(np.prod(t.shape, dtype=np.int64)) * ms.dtype_to_nptype(t.dtype)().itemsize

@@ -1,0 +1,205 @@
+"""The ZeRO train step: one Cell that does forward, backward, reduction, overflow, clipping and the update.
+
+Per step (``gradient_accumulation_steps = K``; ``N`` ranks in the op group):
+
+1. forward and backward of the user's network with the loss scaled by the loss
+   scale; gradients are taken w.r.t. the optimizer's parameters in the
+   optimizer's own order (full parameters at stages 0-2, shards at stage 3);
+2. *micro-step reduction*: stage 2 reduce-scatters each sharded gradient now
+   (mean over the group); stage 3 got it already reduced from the gather's
+   ``bprop``; stages 0-1 keep the local full gradient;
+3. with ``K > 1`` the result is added to accumulation buffers (full at stages
+   0-1, shards at stages 2-3) and steps 4-7 run on every K-th call only;
+4. *boundary reduction*: stage 0 all-reduces every gradient, stage 1
+   reduce-scatters sharded ones, every stage all-reduces replicated ones;
+   then gradients are divided by ``loss_scale * K``;
+5. overflow: every rank checks its (shard of the) gradients for inf/nan and
+   one all-reduce of the flags makes the decision shared by all ranks; a
+   ``DynamicLossScaleUpdateCell`` updates the loss scale from it;
+6. ``clip_grad``: the global norm is the square root of one all-reduce of the
+   shards' sums of squares plus the replicated gradients' (counted once);
+7. unless the step overflowed (and ``drop_overflow_update``), the optimizer
+   updates its parameters (shards from stage 1 on); stages 1-2 then
+   all-gather every updated master shard into the full network parameter.
+
+Returns ``(loss, overflow, loss_scale)`` like ``nn.TrainOneStepWithLossScaleCell``;
+``loss`` is this rank's local loss of the micro-batch.
+"""
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+
+from .comm import AllGather, AllReduceSum, AnyRank, ReduceScatterSum, World
+from .shard import flat_padded
+
+
+class Identity(nn.Cell):
+    def construct(self, x):
+        return x
+
+
+class MeanAllReduce(nn.Cell):
+    """Mean of a full gradient over the group (as ``DistributedGradReducer`` with ``mean=True``)."""
+
+    def __init__(self, world: World):
+        super().__init__(auto_prefix=False)
+        self.sum = AllReduceSum(world)
+        self.inv_group = 1.0 / world.group_size
+
+    def construct(self, grad):
+        grad = self.sum(grad)
+        return grad * ops.cast(self.inv_group, grad.dtype)
+
+
+class MeanReduceScatter(nn.Cell):
+    """Mean over the group of a full local gradient, keeping this rank's padded 1D shard."""
+
+    def __init__(self, padding: int, world: World):
+        super().__init__(auto_prefix=False)
+        self.reduce_scatter = ReduceScatterSum(world)
+        self.padding = padding
+        self.inv_group = 1.0 / world.group_size
+
+    def construct(self, grad):
+        grad = self.reduce_scatter(flat_padded(grad, self.padding))
+        return grad * ops.cast(self.inv_group, grad.dtype)
+
+
+class GatherInto(nn.Cell):
+    """Stages 1-2: write the all-gathered master shard into the full network parameter."""
+
+    def __init__(self, full_param: Parameter, numel: int, world: World):
+        super().__init__(auto_prefix=False)
+        self.gather = AllGather(world)
+        self.numel = numel
+        self.shape = tuple(full_param.shape)
+
+    def construct(self, full_param, shard):
+        value = self.gather(shard)[:self.numel].reshape(self.shape)
+        return ops.assign(full_param, ops.cast(value, full_param.dtype))
+
+
+def _map_cells(cells, values):
+    out = ()
+    for i in range(len(values)):
+        out = out + (cells[i](values[i]),)
+    return out
+
+
+class ZeroTrainOneStepCell(nn.Cell):
+    """Train step of :func:`mindzero.prepare_train_network`; see the module docstring for the phases.
+
+    Built by ``prepare_train_network``, which prepares the pieces (shards, reducers,
+    optimizer re-pointing); this Cell only orders them.
+    """
+
+    def __init__(self, network, optimizer, weights, micro_reducers, boundary_reducers, sharded_flags,
+                 gathers, full_params, master_shards, accum_buffers, scale_sense, manager, config, world):
+        super().__init__(auto_prefix=False)
+        self.network = network
+        self.network.set_grad()
+        self.optimizer = optimizer
+        self.weights = ParameterTuple(weights)
+        self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
+        self.micro_reducers = nn.CellList(micro_reducers)
+        self.boundary_reducers = nn.CellList(boundary_reducers)
+        self.sharded_idx = tuple(i for i, s in enumerate(sharded_flags) if s)
+        self.replicated_idx = tuple(i for i, s in enumerate(sharded_flags) if not s)
+        self.gathers = nn.CellList(gathers)
+        self.gather_after_step = len(gathers) > 0
+        if self.gather_after_step:
+            self.full_params = ParameterTuple(full_params)
+            self.master_shards = ParameterTuple(master_shards)
+        self.accum_steps = config.gradient_accumulation_steps
+        if self.accum_steps > 1:
+            self.accum_buffers = ParameterTuple(accum_buffers)
+            self.micro_step = Parameter(Tensor(0, ms.int32), name="zero_micro_step", requires_grad=False)
+        self.scale_sense = scale_sense
+        self.has_manager = manager is not None
+        if self.has_manager:
+            self.loss_scaling_manager = manager
+        self.drop_overflow_update = config.drop_overflow_update
+        self.clip_grad = config.clip_grad
+        self.clip_norm = float(config.clip_norm)
+        self.any_rank = AnyRank(world)
+        self.sum_over_group = AllReduceSum(world)
+        self.group_size = world.group_size
+        self.set_train(True)
+
+    def construct(self, *inputs):
+        scale = self.scale_sense * 1.0
+        loss = self.network(*inputs)
+        sens = ops.fill(loss.dtype, loss.shape, ops.cast(scale, loss.dtype))
+        grads = self.grad(self.network, self.weights)(*inputs, sens)
+        grads = _map_cells(self.micro_reducers, grads)
+        if self.accum_steps == 1:
+            overflow = self._apply(grads, scale)
+        else:
+            step = ops.depend(self.micro_step + 1, self._accumulate(grads))
+            ops.assign(self.micro_step, step)
+            overflow = ops.zeros((), ms.bool_)
+            if step % self.accum_steps == 0:
+                grads = tuple(ops.depend(buf, step) for buf in self.accum_buffers)
+                overflow = self._apply(grads, scale)
+                self._zero_buffers(overflow)
+        return loss, overflow, scale
+
+    def _accumulate(self, grads):
+        done = ()
+        for i in range(len(grads)):
+            done = done + (ops.assign_add(self.accum_buffers[i], grads[i]),)
+        return done
+
+    def _zero_buffers(self, after):
+        for i in range(len(self.accum_buffers)):
+            buf = self.accum_buffers[i]
+            ops.assign(buf, ops.depend(ops.zeros_like(buf), after))
+
+    def _apply(self, grads, scale):
+        grads = _map_cells(self.boundary_reducers, grads)
+        inv = ops.reciprocal(ops.cast(scale, ms.float32) * self.accum_steps)
+        grads = tuple(g * ops.cast(inv, g.dtype) for g in grads)
+        overflow = self.any_rank(ops.logical_not(self._all_finite(grads)))
+        if self.has_manager:
+            overflow = self.loss_scaling_manager(self.scale_sense, overflow)
+        if self.clip_grad:
+            grads = self._clip(grads)
+        if self.drop_overflow_update:
+            if not overflow:
+                overflow = ops.depend(overflow, self.optimizer(grads))
+        else:
+            overflow = ops.depend(overflow, self.optimizer(grads))
+        if self.gather_after_step:
+            # Outside the overflow branch: there, MindSpore 2.10 (CPU) dropped the last
+            # of a chain of assigns. On a skipped step the gather rewrites the same values.
+            overflow = self._gather_params(overflow)
+        return overflow
+
+    def _all_finite(self, grads):
+        flags = ()
+        for g in grads:
+            flags = flags + (ops.isfinite(g).all(),)
+        return ops.stack(flags).all()
+
+    def _clip(self, grads):
+        """Scale every gradient by ``clip_norm / max(global_norm, clip_norm)``; the norm is over all shards."""
+        sharded_sq = ops.zeros((1,), ms.float32)
+        for i in self.sharded_idx:
+            sharded_sq = sharded_sq + ops.reduce_sum(ops.square(ops.cast(grads[i], ms.float32)))
+        if len(self.sharded_idx) > 0:
+            sharded_sq = self.sum_over_group(sharded_sq)
+        total_sq = sharded_sq
+        for i in self.replicated_idx:
+            total_sq = total_sq + ops.reduce_sum(ops.square(ops.cast(grads[i], ms.float32)))
+        norm = ops.sqrt(total_sq)
+        factor = self.clip_norm / ops.maximum(norm, self.clip_norm)
+        return tuple(g * ops.cast(factor[0], g.dtype) for g in grads)
+
+    def _gather_params(self, after):
+        """Stages 1-2: all-gather every master shard into its full parameter, after ``after``."""
+        for i in range(len(self.gathers)):
+            shard = ops.depend(self.master_shards[i], after)
+            after = ops.depend(after, self.gathers[i](self.full_params[i], shard))
+        return after
