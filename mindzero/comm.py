@@ -8,8 +8,8 @@ operation           GPU / Ascend                CPU (MindSpore 2.10)
 ==================  ==========================  =========================================
 all-gather          ``ops.AllGather``           ``ops.AllGather`` (world group only)
 reduce-scatter      ``ops.ReduceScatter(SUM)``  emulated: ``AllReduce(SUM)`` of the whole
-                                                padded tensor, then this rank's slice; it
-                                                moves ~2x the bytes of a real one
+                                                (unpadded) tensor, then this rank's slice;
+                                                it moves ~2x the bytes of a real one
 all-reduce (sum)    ``ops.AllReduce(SUM)``      ``ops.AllReduce(SUM)`` (SUM only)
 any-rank flag       ``AllReduce(SUM)`` of 0/1   the same (CPU has no MAX reduction)
 ==================  ==========================  =========================================
@@ -108,18 +108,22 @@ class AllReduceSum(nn.Cell):
 
 
 class ReduceScatterSum(nn.Cell):
-    """Sum a 1D padded tensor over the group and keep this rank's contiguous slice.
+    """Sum a flat tensor over the group and keep this rank's padded shard.
 
-    ``(group_size * shard_size,) -> (shard_size,)``. Real ``ReduceScatter`` on
-    GPU/Ascend; on CPU ``AllReduce`` of the whole tensor then a slice.
+    ``(numel,) -> (shard_size,)`` with ``shard_size = (numel + padding) / group_size``.
+    GPU/Ascend: zero-pad, then ``ReduceScatter``. CPU: ``AllReduce`` of the
+    *unpadded* tensor, then pad and slice; all-reducing exactly the tensor a
+    plain data-parallel all-reduce would sum keeps the summation order, so the
+    result is bit-identical to stage 0's.
     """
 
-    def __init__(self, world: World):
+    def __init__(self, world: World, padding: int = 0):
         super().__init__(auto_prefix=False)
         self.identity = world.group_size == 1
         self.emulated = world.emulated_reduce_scatter
         self.group_size = world.group_size
         self.rank = world.rank
+        self.padding = padding
         if self.identity:
             self.op = None
         elif self.emulated:
@@ -127,13 +131,19 @@ class ReduceScatterSum(nn.Cell):
         else:
             self.op = ops.ReduceScatter(ops.ReduceOp.SUM, world.group)
 
+    def _pad(self, x):
+        if self.padding:
+            x = ops.concat((x, ops.zeros((self.padding,), x.dtype)))
+        return x
+
     def construct(self, x):
         if self.identity:
-            return x
+            return self._pad(x)
         if self.emulated:
-            size = x.shape[0] // self.group_size
-            return self.op(x)[self.rank * size:(self.rank + 1) * size]
-        return self.op(x)
+            full = self._pad(self.op(x))
+            size = full.shape[0] // self.group_size
+            return full[self.rank * size:(self.rank + 1) * size]
+        return self.op(self._pad(x))
 
 
 class AnyRank(nn.Cell):

@@ -46,14 +46,6 @@ def make_shard(tensor_or_param, spec: ShardSpec, name: str, requires_grad: bool 
     return Parameter(Tensor(shard_array(tensor_or_param.asnumpy(), spec)), name=name, requires_grad=requires_grad)
 
 
-def flat_padded(x, padding: int):
-    """Graph-mode helper: ``x`` flattened to 1D with ``padding`` zeros appended."""
-    flat = x.reshape((-1,))
-    if padding:
-        flat = ops.concat((flat, ops.zeros((padding,), flat.dtype)))
-    return flat
-
-
 class GatherFull(nn.Cell):
     """Full parameter from its shard: all-gather in forward, mean reduce-scatter in backward.
 
@@ -61,21 +53,23 @@ class GatherFull(nn.Cell):
     ReduceScatter (CPU: AllReduce + slice) of ``padded_numel`` elements.
     """
 
-    def __init__(self, spec: ShardSpec, world: World):
+    def __init__(self, spec: ShardSpec, world: World, compute_dtype=None):
         super().__init__(auto_prefix=False)
+        self.compute_dtype = compute_dtype  # the reading Cell's to_float() dtype, else None
         self.gather = AllGather(world)
-        self.reduce_scatter = ReduceScatterSum(world)
+        self.reduce_scatter = ReduceScatterSum(world, spec.padding)
         self.numel = spec.numel
         self.shape = tuple(spec.shape)
-        self.padding = spec.padding
         self.inv_group = 1.0 / world.group_size
 
     def construct(self, shard):
-        full = self.gather(shard)
-        return full[:self.numel].reshape(self.shape)
+        full = self.gather(shard)[:self.numel].reshape(self.shape)
+        if self.compute_dtype is not None:
+            full = ops.cast(full, self.compute_dtype)
+        return full
 
     def bprop(self, shard, out, dout):
-        grad = self.reduce_scatter(flat_padded(dout, self.padding))
+        grad = self.reduce_scatter(ops.cast(dout, shard.dtype).reshape((-1,)))
         return (grad * ops.cast(self.inv_group, grad.dtype),)
 
 
@@ -88,6 +82,16 @@ def _full_property(attr: str) -> property:
 
     full.__name__ = attr
     return property(full, doc=f"full value of {attr!r}, gathered from its shard (mindzero stage 3)")
+
+
+def compute_dtype(cell: nn.Cell):
+    """The dtype ``cell.to_float()`` set (MindSpore casts Parameters read inside it), or ``None``."""
+    flags = cell.get_flags()
+    if flags.get("fp16"):
+        return ms.float16
+    if flags.get("bf16"):
+        return ms.bfloat16
+    return None
 
 
 def _own_subclass(cell: nn.Cell) -> type:
@@ -112,7 +116,7 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World) -> dic
         parameter name -> shard Parameter (one per full Parameter, shared by tied uses).
     """
     shards = {}
-    gathers = {}
+    gathers = {}  # (name, compute dtype) -> GatherFull: a gather is shared by the Cells reading one parameter
     for _, cell in network.cells_and_names():
         for attr, param in list(cell._params.items()):
             if param is None or param.name not in specs or not specs[param.name].sharded:
@@ -120,10 +124,12 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World) -> dic
             spec = specs[param.name]
             if param.name not in shards:
                 shards[param.name] = make_shard(param, spec, param.name, param.requires_grad)
-                gathers[param.name] = GatherFull(spec, world)
+            key = (param.name, compute_dtype(cell))
+            if key not in gathers:
+                gathers[key] = GatherFull(spec, world, key[1])
             del cell._params[attr]
             cell.insert_param_to_cell(attr + SHARD_SUFFIX, shards[param.name])
-            cell.insert_child_to_cell(GATHER_PREFIX + attr, gathers[param.name])
+            cell.insert_child_to_cell(GATHER_PREFIX + attr, gathers[key])
             setattr(_own_subclass(cell), attr, _full_property(attr))
     return shards
 

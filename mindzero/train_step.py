@@ -32,7 +32,6 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from .comm import AllGather, AllReduceSum, AnyRank, ReduceScatterSum, World
-from .shard import flat_padded
 
 
 class Identity(nn.Cell):
@@ -58,12 +57,11 @@ class MeanReduceScatter(nn.Cell):
 
     def __init__(self, padding: int, world: World):
         super().__init__(auto_prefix=False)
-        self.reduce_scatter = ReduceScatterSum(world)
-        self.padding = padding
+        self.reduce_scatter = ReduceScatterSum(world, padding)
         self.inv_group = 1.0 / world.group_size
 
     def construct(self, grad):
-        grad = self.reduce_scatter(flat_padded(grad, self.padding))
+        grad = self.reduce_scatter(grad.reshape((-1,)))
         return grad * ops.cast(self.inv_group, grad.dtype)
 
 

@@ -1,0 +1,70 @@
+"""Start a worker script on several ranks with msrun, with a timeout, and fail with the failing rank's log.
+
+Used by the distributed tests: one launch runs many scenarios and leaves, per
+rank, ``rank_<r>.done`` plus its results in ``out_dir``; anything else is a failure
+that shows the log tail of the first rank that did not finish.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port free right now on loopback (picked at run time so launches never collide)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    if not path.exists():
+        return f"(no log at {path})"
+    text = path.read_text(errors="replace").splitlines()
+    keep = [l for l in text if not l.startswith("[WARNING]")] or text
+    return "\n".join(keep[-lines:])
+
+
+def msrun(script: str, world_size: int, out_dir: Path, args=(), timeout: float = 900.0) -> Path:
+    """Run ``script`` on ``world_size`` local ranks; return ``out_dir`` once every rank wrote its done-marker.
+
+    Raises:
+        AssertionError: a rank failed, the launch timed out (all processes are killed), or a rank
+            did not finish; the message carries that rank's log tail.
+    """
+    out_dir = Path(out_dir)
+    log_dir = out_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    msrun_bin = Path(sys.executable).with_name("msrun")
+    cmd = [str(msrun_bin), f"--worker_num={world_size}", f"--local_worker_num={world_size}",
+           f"--master_port={free_port()}", f"--log_dir={log_dir}", "--join=True", "--cluster_time_out=120",
+           str(script), "--out", str(out_dir), *map(str, args)]
+    # msrun starts workers with the `python` on PATH: make it this interpreter
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               GLOG_v="3", MALLOC_MMAP_THRESHOLD_="1048576")
+    start = time.time()
+    proc = subprocess.Popen(cmd, cwd=out_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True)
+    try:
+        launcher_out, _ = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        launcher_out, _ = proc.communicate()
+        timed_out = True
+    missing = [r for r in range(world_size) if not (out_dir / f"rank_{r}.done").exists()]
+    if timed_out or proc.returncode != 0 or missing:
+        bad = missing[0] if missing else 0
+        why = (f"timed out after {timeout:.0f}s" if timed_out else f"exit status {proc.returncode}")
+        raise AssertionError(
+            f"msrun {Path(script).name} on {world_size} ranks failed ({why}; ranks without results: {missing}).\n"
+            f"--- log tail of rank {bad} ({log_dir / f'worker_{bad}.log'}) ---\n{_tail(log_dir / f'worker_{bad}.log')}\n"
+            f"--- msrun output ---\n{launcher_out[-3000:]}")
+    print(f"msrun {Path(script).name} x{world_size}: {time.time() - start:.0f}s")
+    return out_dir

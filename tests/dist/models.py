@@ -1,0 +1,162 @@
+"""Test networks with the features users have: fp16 cells, recompute, replicated bias, awkward
+shapes read in arbitrary expressions, attention with tied embeddings, BatchNorm."""
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+
+class _Teacher:
+    """Fixed random matrices that make the targets learnable (the same in every process)."""
+
+    def randn(self, *shape):
+        return np.random.RandomState(sum(shape) * 7919 + len(shape)).randn(*shape).astype(np.float32)
+
+
+TEACHER = _Teacher()
+
+
+class MixedNet(nn.Cell):
+    """(a) an fp16 cell, a recompute() cell and a replicated bias (parallel_optimizer=False)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Dense(12, 20)
+        self.half = nn.Dense(20, 20).to_float(ms.float16)
+        self.block = nn.SequentialCell([nn.Dense(20, 18), nn.GELU()])
+        self.block.recompute()
+        self.out = nn.Dense(18, 5)
+        self.out.bias.parallel_optimizer = False
+        self.loss = nn.MSELoss()
+
+    def construct(self, x, y):
+        h = ops.relu(self.inp(x))
+        h = ops.cast(self.half(h), ms.float32)
+        return self.loss(self.out(self.block(h)), y)
+
+    @staticmethod
+    def batch(rng, n=4):
+        x = rng.randn(n, 12).astype(np.float32)
+        return x, np.tanh(x @ TEACHER.randn(12, 5)).astype(np.float32)
+
+
+class AwkwardNet(nn.Cell):
+    """(b) a user's own Cell with odd shapes (7, 15), (17, 257), (1,) and a scalar, read in arbitrary expressions."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = Parameter(Tensor(np.zeros((7, 15), np.float32)), name="w1")
+        self.w2 = Parameter(Tensor(np.zeros((17, 257), np.float32)), name="w2")
+        self.proj = Parameter(Tensor(np.zeros((15, 17), np.float32)), name="proj")
+        self.gain = Parameter(Tensor(np.zeros((1,), np.float32)), name="gain")
+        self.temp = Parameter(Tensor(np.zeros((), np.float32)), name="temp")
+
+    def construct(self, x, y):
+        h = ops.tanh(ops.matmul(x, self.w1) * (1.0 + self.gain))
+        h = ops.matmul(ops.matmul(h, self.proj), self.w2)
+        h = h * ops.sigmoid(self.temp) + ops.sin(self.w2[0:1, :]) * 0.1
+        return ops.reduce_mean(ops.square(h - y))
+
+    @staticmethod
+    def batch(rng, n=4):
+        x = rng.randn(n, 7).astype(np.float32)
+        return x, (np.sin(x @ TEACHER.randn(7, 257)) * 0.5).astype(np.float32)
+
+
+class Block(nn.Cell):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.ln1 = nn.LayerNorm((dim,))
+        self.qkv = nn.Dense(dim, 3 * dim)
+        self.proj = nn.Dense(dim, dim)
+        self.ln2 = nn.LayerNorm((dim,))
+        self.fc1 = nn.Dense(dim, 4 * dim)
+        self.fc2 = nn.Dense(4 * dim, dim)
+        self.heads = heads
+        self.dim = dim
+
+    def construct(self, x):
+        b, t, d = x.shape
+        hd = d // self.heads
+        q, k, v = ops.split(self.qkv(self.ln1(x)), d, axis=-1)
+        q = q.reshape(b, t, self.heads, hd).transpose(0, 2, 1, 3)
+        k = k.reshape(b, t, self.heads, hd).transpose(0, 2, 1, 3)
+        v = v.reshape(b, t, self.heads, hd).transpose(0, 2, 1, 3)
+        att = ops.matmul(q, k.transpose(0, 1, 3, 2)) / (hd ** 0.5)
+        mask = ops.triu(ops.ones((t, t), ms.float32), 1) * -1e9
+        att = ops.softmax(att + mask, axis=-1)
+        y = ops.matmul(att, v).transpose(0, 2, 1, 3).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.fc2(ops.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyGPT(nn.Cell):
+    """(c) embedding, one attention block, LayerNorm and a head tied to the embedding table."""
+
+    VOCAB, DIM, SEQ = 37, 16, 8
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(self.VOCAB, self.DIM)
+        self.pos = Parameter(Tensor(np.zeros((self.SEQ, self.DIM), np.float32)), name="pos")
+        self.block = Block(self.DIM, 2)
+        self.ln_f = nn.LayerNorm((self.DIM,))
+        self.ce = nn.CrossEntropyLoss()
+
+    def construct(self, tokens, targets):
+        h = self.embed(tokens) + self.pos
+        h = self.ln_f(self.block(h))
+        logits = ops.matmul(h, self.embed.embedding_table.T)  # tied head
+        return self.ce(logits.reshape(-1, self.VOCAB), targets.reshape(-1))
+
+    @classmethod
+    def batch(cls, rng, n=3):
+        start = rng.randint(0, cls.VOCAB, size=(n, 1))
+        tok = ((start + 3 * np.arange(cls.SEQ + 1)) % cls.VOCAB).astype(np.int32)  # learnable: next = +3
+        return tok[:, :-1].copy(), tok[:, 1:].copy()
+
+
+class ResBlock(nn.Cell):
+    def __init__(self, ch):
+        super().__init__()
+        self.conv1 = nn.Conv2d(ch, ch, 3, pad_mode="same", has_bias=False)
+        self.bn1 = nn.BatchNorm2d(ch)
+        self.conv2 = nn.Conv2d(ch, ch, 3, pad_mode="same", has_bias=False)
+        self.bn2 = nn.BatchNorm2d(ch)
+
+    def construct(self, x):
+        h = ops.relu(self.bn1(self.conv1(x)))
+        return ops.relu(x + self.bn2(self.conv2(h)))
+
+
+class TinyResNet(nn.Cell):
+    """(d) convolutions with BatchNorm (moving statistics are non-trainable Parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 6, 3, pad_mode="same")
+        self.bn = nn.BatchNorm2d(6)
+        self.res = ResBlock(6)
+        self.head = nn.Dense(6, 4)
+        self.ce = nn.CrossEntropyLoss()
+
+    def construct(self, x, y):
+        h = self.res(ops.relu(self.bn(self.stem(x))))
+        return self.ce(self.head(h.mean(axis=(2, 3))), y)
+
+    @staticmethod
+    def batch(rng, n=4):
+        x = rng.randn(n, 3, 6, 6).astype(np.float32)
+        return x, (np.argmax(x.mean(axis=(2, 3)) @ TEACHER.randn(3, 4), axis=1)).astype(np.int32)
+
+
+MODELS = {"mixed": MixedNet, "awkward": AwkwardNet, "gpt": TinyGPT, "resnet": TinyResNet}
+
+
+def build(name, seed=0):
+    """A fresh network whose trainable parameters come from a numpy RNG, identical across runs and ranks."""
+    net = MODELS[name]()
+    rng = np.random.RandomState(seed)
+    for p in sorted(net.trainable_params(), key=lambda q: q.name):
+        scale = 0.5 / np.sqrt(max(1, p.shape[-1] if p.shape else 1))
+        p.set_data(Tensor((rng.randn(*p.shape) * scale).astype(ms.dtype_to_nptype(p.dtype))))
+    return net

@@ -1,0 +1,184 @@
+"""Multi-process parity of every ZeRO stage against plain data parallel, on CPU with 2 and 4 ranks.
+
+One msrun launch per world size runs every scenario (see ``worker_parity.py``);
+the tests here compare the files it wrote. Stage 0 is compared with MindSpore's
+own ``nn.TrainOneStepCell`` (plain data parallel); stages 1-3 with stage 0 on the
+same seeds and data: per-step losses and final full parameters within 1e-5
+relative (fp32).
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launcher import msrun
+
+HERE = Path(__file__).resolve().parent
+RTOL = 1e-5
+MODELS = ["mixed", "awkward", "gpt", "resnet"]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"parity{request.param}")
+    msrun(HERE / "worker_parity.py", request.param, out, timeout=1800)
+    return request.param, out
+
+
+def load(out, rank, name):
+    with np.load(out / f"rank_{rank}" / f"{name}.npz") as f:
+        return {k: f[k] for k in f.files}
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)) if b.size else 0.0
+
+
+def assert_same_run(got, ref, what):
+    assert len(got["losses"]) == len(ref["losses"]) >= 10, what
+    assert np.all(np.isfinite(ref["losses"])) or "overflow" in what
+    finite = np.isfinite(ref["losses"])
+    err = rel_err(got["losses"][finite], ref["losses"][finite])
+    assert err <= RTOL, f"{what}: losses differ by {err:.2e} relative\n{got['losses']}\n{ref['losses']}"
+    names = sorted(k for k in ref if k.startswith("param/") and not k.endswith("@init"))
+    assert names == sorted(k for k in got if k.startswith("param/") and not k.endswith("@init")), \
+        f"{what}: parameter names differ"
+    for k in names:
+        assert got[k].shape == ref[k].shape, f"{what}: {k} shape {got[k].shape} != {ref[k].shape}"
+        err = rel_err(got[k], ref[k])
+        assert err <= RTOL, f"{what}: {k} differs by {err:.2e} relative"
+
+
+def test_collectives(run):
+    n, out = run
+    for r in range(n):
+        c = json.loads((out / f"rank_{r}" / "collectives.json").read_text())
+        assert c == dict(reduce_scatter_ok=True, all_gather_ok=True, any_rank_last=True, any_rank_none=False), (r, c)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_stage0_equals_plain_data_parallel(run, model):
+    n, out = run
+    for r in range(n):
+        assert_same_run(load(out, r, f"{model}-0"), load(out, r, f"{model}-dp"), f"{model} stage 0 vs DP rank {r}")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("model", MODELS)
+def test_stage_equals_stage0(run, model, stage):
+    n, out = run
+    for r in range(n):
+        assert_same_run(load(out, r, f"{model}-{stage}"), load(out, r, f"{model}-0"), f"{model} stage {stage} rank {r}")
+
+
+def test_training_moves(run):
+    """Guard against a vacuous parity: every trainable parameter moved from its initial value,
+    and the models with smooth targets lower their loss."""
+    n, out = run
+    for model in MODELS:
+        ref = load(out, 0, f"{model}-dp")
+        inits = [k for k in ref if k.endswith("@init")]
+        assert inits, model
+        for k in inits:
+            assert rel_err(ref[k[:-len("@init")]], ref[k]) > 1e-4, f"{model}: {k} did not move"
+    for model in ("mixed", "gpt"):
+        losses = load(out, 0, f"{model}-dp")["losses"]
+        assert losses[-4:].mean() < losses[:4].mean(), (model, losses)
+
+
+def test_parameters_identical_across_ranks(run):
+    n, out = run
+    for model in MODELS:
+        for stage in (1, 2, 3):
+            a, b = load(out, 0, f"{model}-{stage}"), load(out, n - 1, f"{model}-{stage}")
+            for k in a:
+                if k.startswith("param/") and "moving_" not in k:  # BN statistics are per rank, as in DP
+                    np.testing.assert_array_equal(a[k], b[k], err_msg=f"{model} stage {stage} {k}")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clip_grad_global_norm(run, stage):
+    n, out = run
+    for r in range(n):
+        assert_same_run(load(out, r, f"clip-{stage}"), load(out, r, "clip-0"), f"clip stage {stage} rank {r}")
+    # clipping is active: the clipped run differs from the unclipped one
+    assert rel_err(load(out, 0, "clip-0")["param/inp.weight"], load(out, 0, "mixed-0")["param/inp.weight"]) > 1e-3
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradient_accumulation(run, stage):
+    """K=4 micro-batches of 2 equal plain DP on the concatenated batch of 8 (and stage 0 with K=4)."""
+    n, out = run
+    for r in range(n):
+        got, dp = load(out, r, f"accum-{stage}"), load(out, r, "accum-dp")
+        micro_means = got["losses"].reshape(-1, 4).mean(axis=1)
+        assert rel_err(micro_means, dp["losses"]) <= RTOL, (micro_means, dp["losses"])
+        for k in (k for k in dp if k.startswith("param/") and not k.endswith("@init")):
+            assert rel_err(got[k], dp[k]) <= RTOL, f"accum stage {stage} {k}: {rel_err(got[k], dp[k]):.2e}"
+        assert not got["overflows"].any()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_forced_overflow_is_skipped_by_all_ranks(run, stage):
+    """Step 4 has inf in the last rank's input only: every rank reports overflow, skips the update,
+    and the dynamic loss scale halves; the run then equals stage 0's."""
+    n, out = run
+    for r in range(n):
+        got = load(out, r, f"overflow-{stage}")
+        assert got["overflows"].tolist() == [i == 4 for i in range(10)], (r, got["overflows"])
+        assert got["scales"][4] == 2.0 ** 12 and got["scales"][5] == 2.0 ** 11, got["scales"]
+        assert_same_run(got, load(out, r, "overflow-0"), f"overflow stage {stage} rank {r}")
+    # the skipped update leaves the run where a run without that step's update would be:
+    ref, plain = load(out, 0, "overflow-0"), load(out, 0, "mixed-0")
+    np.testing.assert_allclose(ref["losses"][:4], plain["losses"][:4], rtol=RTOL)
+
+
+def _padding_and_replicated(out, scenario, n, replicated=()):
+    """Total padding elements and replicated elements (fp32 models), from the shapes of a stage-0 run."""
+    from mindzero.plan import shard_size_for
+
+    ref = load(out, 0, scenario)
+    pad = repl = 0
+    for k, v in ref.items():
+        if not k.startswith("param/") or k.endswith("@init"):
+            continue
+        if k[len("param/"):] in replicated:
+            repl += v.size
+        else:
+            pad += shard_size_for(v.size, n) * n - v.size
+    return pad, repl
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_memory_report(run, stage):
+    """Bytes each rank holds: optimizer moments are 1/N of stage 0's plus padding (and the replicated
+    bias kept whole); accumulation buffers from stage 2 and parameters at stage 3 likewise; and the
+    plan's expectation equals what is allocated."""
+    n, out = run
+    for r in range(n):
+        mem = json.loads((out / f"rank_{r}" / "memory.json").read_text())
+        for name, rep in mem.items():
+            for key in ("parameters", "gradients", "optimizer_states", "optimizer_moments", "master_shards"):
+                assert rep[key] == rep["expected"][key], (r, name, key, rep[key], rep["expected"][key])
+        # mixed: AdamWeightDecay (2 states), bias of `out` replicated; no accumulation
+        pad, repl = _padding_and_replicated(out, "mixed-0", n, replicated={"out.bias"})
+        m0, mk = mem["mixed-0"], mem[f"mixed-{stage}"]
+        assert m0["gradients"] == mk["gradients"] == 0
+        assert mk["optimizer_moments"] * n == m0["optimizer_moments"] + 2 * 4 * (pad + (n - 1) * repl)
+        if stage == 3:
+            assert mk["parameters"] * n == m0["parameters"] + 4 * (pad + (n - 1) * repl)
+            assert mk["master_shards"] == 0
+        else:
+            assert mk["parameters"] == m0["parameters"]
+            assert mk["master_shards"] * n == m0["parameters"] - 4 * repl + 4 * pad
+        # accum: Adam (2 states), K=4, nothing replicated
+        pad, _ = _padding_and_replicated(out, "accum-0", n)
+        a0, ak = mem["accum-0"], mem[f"accum-{stage}"]
+        assert a0["gradients"] == a0["parameters"] > 0
+        assert ak["optimizer_moments"] * n == a0["optimizer_moments"] + 2 * 4 * pad
+        if stage >= 2:
+            assert ak["gradients"] * n == a0["gradients"] + 4 * pad
+        else:
+            assert ak["gradients"] == a0["gradients"]

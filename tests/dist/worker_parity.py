@@ -1,0 +1,150 @@
+"""One msrun launch, many scenarios: every stage of mindzero against plain data parallel.
+
+Each rank writes ``<out>/rank_<r>/<scenario>.npz`` (per-step losses, overflow flags,
+loss scales, final full parameters), ``<out>/rank_<r>/memory.json`` and finally
+``<out>/rank_<r>.done``; ``test_parity.py`` compares them.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn
+from mindspore.communication import init
+
+import mindzero
+from mindzero.comm import AnyRank, ReduceScatterSum, AllGather, current_world
+from models import build
+
+STEPS = 10
+
+
+def make_optimizer(kind, net):
+    params = net.trainable_params()
+    if kind == "adamw_groups":  # decay group first: the optimizer reorders its parameters
+        decay = [p for p in params if "bias" not in p.name]
+        no_decay = [p for p in params if "bias" in p.name]
+        return nn.AdamWeightDecay([{"params": no_decay, "weight_decay": 0.0, "lr": 5e-3},
+                                   {"params": decay, "weight_decay": 0.05}], learning_rate=1e-2)
+    if kind == "adam":
+        return nn.Adam(params, 1e-2)
+    if kind == "sgd":
+        return nn.SGD(params, 0.1, momentum=0.9, weight_decay=1e-4)
+    if kind == "momentum":
+        return nn.Momentum(params, 0.05, 0.9)
+    raise ValueError(kind)
+
+
+def data(model_cls, step, rank, micro=0, n=None):
+    rng = np.random.RandomState(100003 * step + 1009 * rank + 7 * micro + 1)
+    arrays = model_cls.batch(rng) if n is None else model_cls.batch(rng, n)
+    return [Tensor(a) for a in arrays]
+
+
+def run(scn, world):
+    net = build(scn["model"])
+    init_params = {"init/" + p.name: p.asnumpy().copy() for p in net.trainable_params()}
+    cls = type(net)
+    opt = make_optimizer(scn["opt"], net)
+    k = scn.get("accum", 1)
+    if scn["stage"] == "dp":
+        train = nn.TrainOneStepCell(net, opt)
+        train.set_train()
+    else:
+        scale = nn.DynamicLossScaleUpdateCell(2.0 ** 12, 2, 50) if scn.get("dynamic_scale") else 1.0
+        train = mindzero.prepare_train_network(net, opt, scale_sense=scale, zero_stage=scn["stage"],
+                                               gradient_accumulation_steps=k, clip_grad=scn.get("clip", False),
+                                               clip_norm=scn.get("clip_norm", 1.0))
+    losses, overflows, scales = [], [], []
+    for step in range(STEPS):
+        if scn["stage"] == "dp" and k > 1:  # plain DP on the concatenated micro-batches
+            micro = [data(cls, step, world.rank, m, n=2) for m in range(k)]
+            batch = [Tensor(np.concatenate([b[i].asnumpy() for b in micro])) for i in range(len(micro[0]))]
+            losses.append(float(train(*batch).asnumpy()))
+            continue
+        for m in range(k):
+            batch = data(cls, step, world.rank, m, n=2 if k > 1 else None)
+            if scn.get("dynamic_scale") and step == 4 and world.rank == world.group_size - 1:
+                x = batch[0].asnumpy().copy()
+                x.flat[0] = np.inf  # forced overflow on the last rank only
+                batch[0] = Tensor(x)
+            out = train(*batch)
+            if scn["stage"] == "dp":
+                losses.append(float(out.asnumpy()))
+            else:
+                losses.append(float(out[0].asnumpy()))
+                overflows.append(bool(out[1].asnumpy()))
+                scales.append(float(out[2].asnumpy()))
+    if scn["stage"] == "dp":
+        params = {p.name: p.asnumpy() for p in net.get_parameters()}
+        params.update({k[len("init/"):] + "@init": v for k, v in init_params.items()})
+        memory = None
+    else:
+        params = mindzero.gather_full_state_dict(train)
+        memory = mindzero.memory_report(train)
+    return dict(losses=np.array(losses), overflows=np.array(overflows), scales=np.array(scales),
+                **{"param/" + n: v for n, v in params.items()}), memory
+
+
+def scenarios():
+    out = []
+    for model, opt in [("mixed", "adamw_groups"), ("awkward", "adam"), ("gpt", "sgd"), ("resnet", "momentum")]:
+        for stage in ("dp", 0, 1, 2, 3):
+            out.append(dict(name=f"{model}-{stage}", model=model, opt=opt, stage=stage))
+    for stage in (0, 1, 2, 3):
+        out.append(dict(name=f"clip-{stage}", model="mixed", opt="adamw_groups", stage=stage, clip=True,
+                        clip_norm=0.05))
+        out.append(dict(name=f"overflow-{stage}", model="mixed", opt="adamw_groups", stage=stage,
+                        dynamic_scale=True))
+    for stage in ("dp", 0, 1, 2, 3):
+        out.append(dict(name=f"accum-{stage}", model="awkward", opt="adam", stage=stage, accum=4))
+    return out
+
+
+def check_collectives(world, out_dir):
+    """AnyRank / ReduceScatterSum / AllGather against numpy, on this world."""
+    n, r = world.group_size, world.rank
+    x = np.arange(3 * n, dtype=np.float32) * (r + 1)
+    rs = ReduceScatterSum(world)(Tensor(x)).asnumpy()
+    expect_rs = (np.arange(3 * n, dtype=np.float32) * sum(range(1, n + 1)))[3 * r:3 * r + 3]
+    ag = AllGather(world)(Tensor(np.full(2, r, np.float32))).asnumpy()
+    any_last = bool(AnyRank(world)(Tensor(r == n - 1)).asnumpy())
+    any_none = bool(AnyRank(world)(Tensor(False)).asnumpy())
+    result = dict(reduce_scatter_ok=bool(np.array_equal(rs, expect_rs)),
+                  all_gather_ok=bool(np.array_equal(ag, np.repeat(np.arange(n, dtype=np.float32), 2))),
+                  any_rank_last=any_last, any_rank_none=any_none)
+    (out_dir / "collectives.json").write_text(json.dumps(result))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="")
+    args = ap.parse_args()
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    init()
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+    world = current_world()
+    out_dir = Path(args.out) / f"rank_{world.rank}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    check_collectives(world, out_dir)
+    memory = {}
+    for scn in scenarios():
+        if args.only and not scn["name"].startswith(tuple(args.only.split(","))):
+            continue
+        t = time.time()
+        arrays, mem = run(scn, world)
+        np.savez(out_dir / f"{scn['name']}.npz", **arrays)
+        if mem is not None:
+            memory[scn["name"]] = mem
+        print(f"scenario {scn['name']}: {time.time() - t:.1f}s", flush=True)
+    (out_dir / "memory.json").write_text(json.dumps(memory, indent=1))
+    (Path(args.out) / f"rank_{world.rank}.done").write_text("ok")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
