@@ -9,16 +9,14 @@ from __future__ import annotations
 import logging
 import numbers
 
-import numpy as np
-
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn
+from mindspore import Parameter, Tensor, nn, ops
 
 from .comm import World, current_world, resolve_group
 from .config import ZeroConfig
 from .optim import check_optimizer, shard_optimizer, state_tuples
 from .plan import ParamInfo, PartitionPlan
-from .shard import make_shard, shard_network_parameters
+from .shard import check_pynative_recompute, make_shard, shard_network_parameters
 from .train_step import GatherInto, Identity, MeanAllReduce, MeanReduceScatter, ZeroTrainOneStepCell
 
 logger = logging.getLogger("mindzero")
@@ -117,6 +115,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
 
     weights, optimizer_targets, gathers, full_params, masters = opt_params, opt_params, [], [], []
     if policy.shard_parameters:
+        check_pynative_recompute(network, specs)
         shards = shard_network_parameters(network, specs, world)
         weights = [shards[p.name] if flag else p for p, flag in zip(opt_params, sharded)]
         optimizer_targets = weights
@@ -153,7 +152,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
         if config.gradient_accumulation_steps > 1:
             local = spec.shard_size if (flag and policy.shard_gradients) else spec.numel
             shape = (local,) if (flag and policy.shard_gradients) else tuple(p.shape)
-            buffers.append(Parameter(Tensor(_zeros(shape, p.dtype)),
+            buffers.append(Parameter(ops.zeros(shape, p.dtype),
                                      name="zero_accum." + p.name, requires_grad=False))
 
     train_net = ZeroTrainOneStepCell(network, optimizer, weights, micro, boundary, sharded, gathers, full_params,
@@ -163,10 +162,6 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
         logger.warning("mindzero: zero_stage=%d, group size %d\n%s", config.zero_stage, world.group_size,
                        plan.summary())
     return train_net
-
-
-def _zeros(shape, dtype):
-    return np.zeros(shape, dtype=ms.dtype_to_nptype(dtype))
 
 
 class ZeroInfo:

@@ -85,7 +85,15 @@ def _full_property(attr: str) -> property:
 
 
 def compute_dtype(cell: nn.Cell):
-    """The dtype ``cell.to_float()`` set (MindSpore casts Parameters read inside it), or ``None``."""
+    """The dtype graph mode casts Parameters read inside ``cell`` to, or ``None``.
+
+    In graph mode ``cell.to_float(dtype)`` casts the Parameters a Cell reads; a
+    gathered tensor is not a Parameter, so :class:`GatherFull` casts it itself.
+    PyNative casts only the Cell's inputs (the op then promotes), so there is no
+    cast to mimic. The mode is the one in force when the network is prepared.
+    """
+    if ms.get_context("mode") != ms.GRAPH_MODE:
+        return None
     flags = cell.get_flags()
     if flags.get("fp16"):
         return ms.float16
@@ -102,6 +110,27 @@ def _own_subclass(cell: nn.Cell) -> type:
     sub = type(cls.__name__, (cls,), {"_mindzero_owner": id(cell), "__module__": cls.__module__})
     cell.__class__ = sub
     return sub
+
+
+def check_pynative_recompute(network: nn.Cell, specs: dict) -> None:
+    """Refuse stage 3 in PyNative for a ``recompute()`` Cell holding sharded parameters.
+
+    Measured: PyNative's re-entrant recompute loses the gather's custom ``bprop``
+    (stage 3 then differs from stage 0 after one step); graph mode is exact.
+
+    Raises:
+        ValueError: naming the Cell.
+    """
+    if ms.get_context("mode") == ms.GRAPH_MODE:
+        return
+    for cell_name, cell in network.cells_and_names():
+        if getattr(cell, "_recompute_cell", None) is None:
+            continue
+        held = [p.name for p in cell.get_parameters() if p.name in specs and specs[p.name].sharded]
+        if held:
+            raise ValueError(f"zero_stage=3 in PyNative mode does not support recompute(): Cell {cell_name!r} is "
+                             f"recomputed and holds sharded parameters ({held[0]}, ...); use GRAPH_MODE "
+                             "(the target), or do not call recompute() on it")
 
 
 def shard_network_parameters(network: nn.Cell, specs: dict, world: World) -> dict:
@@ -139,4 +168,4 @@ def is_stage3_cell(cell: nn.Cell) -> bool:
 
 
 def tensor_nbytes(t) -> int:
-    return int(np.prod(t.shape, dtype=np.int64)) * ms.dtype_to_nptype(t.dtype)().itemsize
+    return int(t.nbytes)

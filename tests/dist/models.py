@@ -158,5 +158,5 @@ def build(name, seed=0):
     rng = np.random.RandomState(seed)
     for p in sorted(net.trainable_params(), key=lambda q: q.name):
         scale = 0.5 / np.sqrt(max(1, p.shape[-1] if p.shape else 1))
-        p.set_data(Tensor((rng.randn(*p.shape) * scale).astype(ms.dtype_to_nptype(p.dtype))))
+        p.set_data(Tensor((rng.randn(*p.shape) * scale).astype(np.float32), p.dtype))
     return net

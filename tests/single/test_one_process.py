@@ -1,0 +1,144 @@
+"""One process, no ``init()``: every stage runs with identity communication (group size 1) and equals
+plain training; PyNative; and bad input gets errors that name the argument, the value and the rule."""
+import numpy as np
+import pytest
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn
+
+import mindzero
+from models import MODELS, build
+
+ms.set_context(mode=ms.GRAPH_MODE)
+ms.set_device("CPU")
+
+OPTIMIZERS = {
+    "mixed": lambda ps: nn.AdamWeightDecay(ps, 1e-2, weight_decay=0.05),
+    "awkward": lambda ps: nn.Adam(ps, 1e-2),
+    "gpt": lambda ps: nn.SGD(ps, 0.1, momentum=0.9),
+    "resnet": lambda ps: nn.Momentum(ps, 0.05, 0.9),
+}
+
+
+def train(model, stage, steps=4):
+    net = build(model)
+    opt = OPTIMIZERS[model](net.trainable_params())
+    rng = np.random.RandomState(3)
+    if stage == "plain":
+        step = nn.TrainOneStepCell(net, opt)
+    else:
+        step = mindzero.prepare_train_network(net, opt, zero_stage=stage)
+    step.set_train()
+    losses = []
+    for _ in range(steps):
+        out = step(*[Tensor(a) for a in type(net).batch(rng)])
+        losses.append(float((out if stage == "plain" else out[0]).asnumpy()))
+    if stage == "plain":
+        return losses, {p.name: p.asnumpy() for p in net.get_parameters()}, None
+    return losses, mindzero.gather_full_state_dict(step), step
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_every_stage_equals_plain_training(model):
+    ref_losses, ref_params, _ = train(model, "plain")
+    for stage in (0, 1, 2, 3):
+        losses, params, step = train(model, stage)
+        assert losses == ref_losses, (stage, losses, ref_losses)
+        assert params.keys() == ref_params.keys()
+        for k in params:
+            np.testing.assert_array_equal(params[k], ref_params[k], err_msg=f"stage {stage} {k}")
+        rep = mindzero.memory_report(step)
+        for key in ("parameters", "gradients", "optimizer_states"):
+            assert rep[key] == rep["expected"][key], (stage, key)
+
+
+def test_stage3_network_holds_shards_and_property_reads_full():
+    net = build("awkward")
+    step = mindzero.prepare_train_network(net, nn.Adam(net.trainable_params(), 1e-2), zero_stage=3)
+    held = {p.name: tuple(p.shape) for p in net.get_parameters()}
+    assert held["w1"] == (105,) and held["w2"] == (17 * 257,) and held["temp"] == (1,)
+    assert tuple(net.w1.shape) == (7, 15)  # the property gathers the full value (identity all-gather here)
+    assert step.zero_info.plan["w1"].sharded
+
+
+def test_pynative_stages_equal():
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        results = [train("gpt", stage, steps=2)[:2] for stage in (0, 2, 3)]
+        for losses, params in results[1:]:
+            assert losses == results[0][0]
+            for k in params:
+                np.testing.assert_allclose(params[k], results[0][1][k], rtol=1e-6, atol=1e-7)
+        net = build("mixed")  # has a recompute() block
+        with pytest.raises(ValueError, match="zero_stage=3 in PyNative mode does not support recompute"):
+            mindzero.prepare_train_network(net, nn.Adam(net.trainable_params()), zero_stage=3)
+    finally:
+        ms.set_context(mode=ms.GRAPH_MODE)
+
+
+def _net_opt(model="awkward"):
+    net = build(model)
+    return net, nn.Adam(net.trainable_params(), 1e-2)
+
+
+@pytest.mark.parametrize("kwargs, exc, message", [
+    (dict(zero_stage=5), ValueError, "zero_stage must be 0, 1, 2 or 3, got 5"),
+    (dict(zero_stage=2, gradient_accumulation_steps=0), ValueError,
+     "gradient_accumulation_steps must be an int >= 1, got 0"),
+    (dict(clip_norm=-1.0), ValueError, "clip_norm must be a number > 0, got -1.0"),
+    (dict(scale_sense=0), ValueError, "scale_sense must be > 0, got 0.0"),
+    (dict(scale_sense="big"), ValueError, "scale_sense must be a number, a Tensor or a loss-scale update Cell"),
+    (dict(optimizer_parallel_group="no_such_group"), ValueError,
+     "optimizer_parallel_group='no_such_group' names a communication group, but the world has one rank"),
+    (dict(dp_group=3), ValueError, "dp_group must be None or a group name"),
+    (dict(ema=object()), NotImplementedError, "ema"),
+    (dict(updates=5), ValueError, "updates is the EMA's initial step count and needs ema"),
+    (dict(optimizer_offload=True), NotImplementedError, "optimizer_offload=True"),
+    (dict(comm_fusion={"allreduce": {"bucket_size": 1}}), NotImplementedError, "comm_fusion"),
+    (dict(parallel_modules={}), NotImplementedError, "parallel_modules"),
+])
+def test_bad_arguments(kwargs, exc, message):
+    net, opt = _net_opt()
+    with pytest.raises(exc, match=message):
+        mindzero.prepare_train_network(net, opt, **kwargs)
+
+
+def test_optimizer_not_an_optimizer():
+    net, _ = _net_opt()
+    with pytest.raises(TypeError, match="optimizer must be a mindspore.nn.Optimizer, got list"):
+        mindzero.prepare_train_network(net, [1, 2], zero_stage=1)
+
+
+def test_optimizer_of_another_network():
+    net, _ = _net_opt()
+    other = build("awkward")
+    stray = Parameter(Tensor(np.zeros(3, np.float32)), name="stray")
+    with pytest.raises(ValueError, match="optimizer updates parameter 'stray', which is not a parameter of the net"):
+        mindzero.prepare_train_network(net, nn.Adam([stray]), zero_stage=1)
+    with pytest.raises(ValueError, match="optimizer updates parameter 'w1', which is not a parameter of the network"):
+        mindzero.prepare_train_network(net, nn.Adam(other.trainable_params()), zero_stage=1)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_non_elementwise_optimizer_refused(stage):
+    net = build("mixed")
+    with pytest.raises(ValueError, match="optimizer Lamb cannot be sharded faithfully by zero_stage 1-3"):
+        mindzero.prepare_train_network(net, nn.Lamb(net.trainable_params(), 1e-3), zero_stage=stage)
+
+
+def test_non_elementwise_optimizer_allowed_at_stage0():
+    # stage 0 runs the optimizer unchanged on full parameters (Lamb itself has no CPU kernel, so no step here)
+    net = build("mixed")
+    step = mindzero.prepare_train_network(net, nn.Lamb(net.trainable_params(), 1e-3), zero_stage=0)
+    assert step.optimizer.moments1[0].shape == net.trainable_params()[0].shape
+
+
+def test_grad_centralization_refused():
+    net = build("mixed")
+    groups = [{"params": net.trainable_params(), "grad_centralization": True}]
+    with pytest.raises(ValueError, match="uses grad_centralization, which is not element-wise"):
+        mindzero.prepare_train_network(net, nn.Momentum(groups, 0.1, 0.9), zero_stage=1)
+
+
+def test_network_must_be_a_cell():
+    with pytest.raises(TypeError, match="network must be a mindspore.nn.Cell, got function"):
+        mindzero.prepare_train_network(lambda x: x, None)

@@ -1,0 +1,65 @@
+"""Stage policies, config validation and the memory formulas, without MindSpore."""
+import subprocess
+import sys
+
+import pytest
+
+from mindzero.config import STAGES, ZeroConfig, stage_policy
+from mindzero.memory import expected_bytes
+from mindzero.plan import ParamInfo, PartitionPlan
+
+
+def test_no_mindspore_import():
+    code = "import sys, mindzero, mindzero.plan, mindzero.config, mindzero.memory; print('mindspore' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out
+
+
+def test_stage_policies_are_cumulative():
+    flags = [(p.shard_optimizer_states, p.shard_gradients, p.shard_parameters) for p in STAGES.values()]
+    assert flags == [(False, False, False), (True, False, False), (True, True, False), (True, True, True)]
+
+
+@pytest.mark.parametrize("bad", [5, -1, 1.5, "2", True, None])
+def test_bad_stage(bad):
+    with pytest.raises(ValueError, match=f"zero_stage must be 0, 1, 2 or 3, got {bad!r}"):
+        stage_policy(bad)
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("gradient_accumulation_steps", 0, "gradient_accumulation_steps must be an int >= 1, got 0"),
+    ("gradient_accumulation_steps", 2.0, "gradient_accumulation_steps must be an int >= 1, got 2.0"),
+    ("clip_norm", 0.0, "clip_norm must be a number > 0, got 0.0"),
+    ("clip_grad", 1, "clip_grad must be a bool, got 1"),
+    ("drop_overflow_update", "yes", "drop_overflow_update must be a bool, got 'yes'"),
+])
+def test_bad_config(field, value, rule):
+    with pytest.raises(ValueError, match=rule):
+        ZeroConfig(**{field: value})
+
+
+def _plan(n):
+    # 105 + 4369 + 1 elements, all fp32; one replicated bias of 5
+    infos = [ParamInfo("a", (7, 15)), ParamInfo("b", (17, 257)), ParamInfo("c", ()),
+             ParamInfo("bias", (5,), parallel_optimizer=False), ParamInfo("bn.mean", (3,), optimized=False)]
+    return PartitionPlan.build(infos, n, 0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_expected_bytes_by_hand(n):
+    ss = [-(-105 // n), -(-4369 // n), -(-1 // n)]
+    sharded_shard = 4 * sum(ss)
+    full_opt = 4 * (105 + 4369 + 1 + 5)  # optimized parameters
+    everything = full_opt + 4 * 3
+    e0 = expected_bytes(_plan(n), STAGES[0], n_states=2, accumulate=True)
+    assert e0 == dict(parameters=everything, gradients=full_opt, optimizer_states=2 * full_opt,
+                      optimizer_moments=2 * full_opt, master_shards=0)
+    e1 = expected_bytes(_plan(n), STAGES[1], 2, True)
+    assert e1["optimizer_moments"] == 2 * (sharded_shard + 20) and e1["master_shards"] == sharded_shard
+    assert e1["gradients"] == full_opt and e1["parameters"] == everything
+    e2 = expected_bytes(_plan(n), STAGES[2], 2, True)
+    assert e2["gradients"] == sharded_shard + 20
+    e3 = expected_bytes(_plan(n), STAGES[3], 2, True)
+    assert e3["parameters"] == sharded_shard + 20 + 12 and e3["master_shards"] == 0
+    assert e3["optimizer_states"] == 2 * (sharded_shard + 20)
+    assert expected_bytes(_plan(n), STAGES[3], 2, False)["gradients"] == 0
