@@ -17,7 +17,8 @@ from .config import ZeroConfig
 from .optim import check_optimizer, shard_optimizer, state_tuples
 from .plan import ParamInfo, PartitionPlan
 from .shard import check_pynative_recompute, make_shard, shard_network_parameters
-from .train_step import GatherInto, Identity, MeanAllReduce, MeanReduceScatter, ZeroTrainOneStepCell
+from .train_step import (GatherInto, Identity, MeanAllReduce, MeanReduceScatter, OwnSlice,
+                         ZeroTrainOneStepCell)
 
 logger = logging.getLogger("mindzero")
 
@@ -135,8 +136,10 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
     else:
         state_attrs = tuple(state_tuples(optimizer))
 
-    micro, boundary, buffers = [], [], []
+    micro, boundary, buffers, norm_slicers = [], [], [], []
     for p, spec, flag in zip(opt_params, opt_specs, sharded):
+        # at clip time a plan-sharded gradient is a shard from stage 1 on, full at stage 0
+        norm_slicers.append(OwnSlice(spec.padding, world) if spec.sharded and not flag else Identity())
         if flag and policy.shard_parameters:
             micro.append(Identity())  # reduced by GatherFull's bprop
             boundary.append(Identity())
@@ -155,8 +158,9 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
             buffers.append(Parameter(ops.zeros(shape, p.dtype),
                                      name="zero_accum." + p.name, requires_grad=False))
 
-    train_net = ZeroTrainOneStepCell(network, optimizer, weights, micro, boundary, sharded, gathers, full_params,
-                                     masters, buffers, scale_param, manager, config, world)
+    train_net = ZeroTrainOneStepCell(network, optimizer, weights, micro, boundary, norm_slicers,
+                                     [s.sharded for s in opt_specs], gathers, full_params, masters, buffers,
+                                     scale_param, manager, config, world)
     train_net.zero_info = ZeroInfo(config, world, plan, tuple(state_attrs), tuple(masters), tuple(buffers))
     if verbose and world.rank == 0:
         logger.warning("mindzero: zero_stage=%d, group size %d\n%s", config.zero_stage, world.group_size,

@@ -65,6 +65,24 @@ class MeanReduceScatter(nn.Cell):
         return grad * ops.cast(self.inv_group, grad.dtype)
 
 
+class OwnSlice(nn.Cell):
+    """This rank's padded shard of a full gradient (no communication): the part of the
+    global norm this rank sums at stage 0, so every stage sums the same numbers in the same order."""
+
+    def __init__(self, padding: int, world: World):
+        super().__init__(auto_prefix=False)
+        self.padding = padding
+        self.rank = world.rank
+        self.group_size = world.group_size
+
+    def construct(self, grad):
+        flat = grad.reshape((-1,))
+        if self.padding:
+            flat = ops.concat((flat, ops.zeros((self.padding,), flat.dtype)))
+        size = flat.shape[0] // self.group_size
+        return flat[self.rank * size:(self.rank + 1) * size]
+
+
 class GatherInto(nn.Cell):
     """Stages 1-2: write the all-gathered master shard into the full network parameter."""
 
@@ -93,8 +111,8 @@ class ZeroTrainOneStepCell(nn.Cell):
     optimizer re-pointing); this Cell only orders them.
     """
 
-    def __init__(self, network, optimizer, weights, micro_reducers, boundary_reducers, sharded_flags,
-                 gathers, full_params, master_shards, accum_buffers, scale_sense, manager, config, world):
+    def __init__(self, network, optimizer, weights, micro_reducers, boundary_reducers, norm_slicers,
+                 norm_sharded_flags, gathers, full_params, master_shards, accum_buffers, scale_sense, manager, config, world):
         super().__init__(auto_prefix=False)
         self.network = network
         self.network.set_grad()
@@ -103,8 +121,9 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
         self.micro_reducers = nn.CellList(micro_reducers)
         self.boundary_reducers = nn.CellList(boundary_reducers)
-        self.sharded_idx = tuple(i for i, s in enumerate(sharded_flags) if s)
-        self.replicated_idx = tuple(i for i, s in enumerate(sharded_flags) if not s)
+        self.norm_slicers = nn.CellList(norm_slicers)
+        self.sharded_idx = tuple(i for i, s in enumerate(norm_sharded_flags) if s)
+        self.replicated_idx = tuple(i for i, s in enumerate(norm_sharded_flags) if not s)
         self.gathers = nn.CellList(gathers)
         self.gather_after_step = len(gathers) > 0
         if self.gather_after_step:
@@ -182,10 +201,17 @@ class ZeroTrainOneStepCell(nn.Cell):
         return ops.stack(flags).all()
 
     def _clip(self, grads):
-        """Scale every gradient by ``clip_norm / max(global_norm, clip_norm)``; the norm is over all shards."""
+        """Scale every gradient by ``clip_norm / max(global_norm, clip_norm)``.
+
+        The norm is canonical: whatever the stage, each rank sums the squares of the
+        slices the partition plan gives it, one all-reduce adds them, and replicated
+        gradients are added once. Every stage therefore gets the same clip factor to
+        the bit (a plain full-tensor norm would differ from the sharded one in rounding).
+        """
         sharded_sq = ops.zeros((1,), ms.float32)
         for i in self.sharded_idx:
-            sharded_sq = sharded_sq + ops.reduce_sum(ops.square(ops.cast(grads[i], ms.float32)))
+            part = self.norm_slicers[i](grads[i])
+            sharded_sq = sharded_sq + ops.reduce_sum(ops.square(ops.cast(part, ms.float32)))
         if len(self.sharded_idx) > 0:
             sharded_sq = self.sum_over_group(sharded_sq)
         total_sq = sharded_sq

@@ -1,8 +1,14 @@
 """Test networks with the features users have: fp16 cells, recompute, replicated bias, awkward
 shapes read in arbitrary expressions, attention with tied embeddings, BatchNorm."""
+import sys
+from pathlib import Path
+
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from gpt import Block  # noqa: E402  (the example's attention block)
 
 
 class _Teacher:
@@ -60,33 +66,6 @@ class AwkwardNet(nn.Cell):
     def batch(rng, n=4):
         x = rng.randn(n, 7).astype(np.float32)
         return x, (np.sin(x @ TEACHER.randn(7, 257)) * 0.5).astype(np.float32)
-
-
-class Block(nn.Cell):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.ln1 = nn.LayerNorm((dim,))
-        self.qkv = nn.Dense(dim, 3 * dim)
-        self.proj = nn.Dense(dim, dim)
-        self.ln2 = nn.LayerNorm((dim,))
-        self.fc1 = nn.Dense(dim, 4 * dim)
-        self.fc2 = nn.Dense(4 * dim, dim)
-        self.heads = heads
-        self.dim = dim
-
-    def construct(self, x):
-        b, t, d = x.shape
-        hd = d // self.heads
-        q, k, v = ops.split(self.qkv(self.ln1(x)), d, axis=-1)
-        q = q.reshape(b, t, self.heads, hd).transpose(0, 2, 1, 3)
-        k = k.reshape(b, t, self.heads, hd).transpose(0, 2, 1, 3)
-        v = v.reshape(b, t, self.heads, hd).transpose(0, 2, 1, 3)
-        att = ops.matmul(q, k.transpose(0, 1, 3, 2)) / (hd ** 0.5)
-        mask = ops.triu(ops.ones((t, t), ms.float32), 1) * -1e9
-        att = ops.softmax(att + mask, axis=-1)
-        y = ops.matmul(att, v).transpose(0, 2, 1, 3).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.fc2(ops.gelu(self.fc1(self.ln2(x))))
 
 
 class TinyGPT(nn.Cell):

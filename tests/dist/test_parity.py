@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launcher import msrun
+from mindzero.local_launch import msrun
 
 HERE = Path(__file__).resolve().parent
 RTOL = 1e-5

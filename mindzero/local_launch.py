@@ -1,9 +1,13 @@
-"""Start a worker script on several ranks with msrun, with a timeout, and fail with the failing rank's log.
+"""Run a script on several local ranks with ``msrun``: a timeout, a free port, and the failing rank's log.
 
-Used by the distributed tests: one launch runs many scenarios and leaves, per
-rank, ``rank_<r>.done`` plus its results in ``out_dir``; anything else is a failure
-that shows the log tail of the first rank that did not finish.
+``python -m mindzero.local_launch -n 2 [--timeout S] [--out DIR] SCRIPT [ARGS...]``
+
+The script gets ``--out DIR`` appended and must write ``DIR/rank_<r>.done`` when it
+finishes; a rank without it, a non-zero exit or a timeout (every process is then
+killed) fails the launch with that rank's log tail. No launch waits forever.
+Used by the tests and the README's main command.
 """
+import argparse
 import os
 import signal
 import socket
@@ -12,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -30,7 +34,7 @@ def _tail(path: Path, lines: int = 60) -> str:
     return "\n".join(keep[-lines:])
 
 
-def msrun(script: str, world_size: int, out_dir: Path, args=(), timeout: float = 900.0) -> Path:
+def msrun(script, world_size: int, out_dir, args=(), timeout: float = 900.0) -> Path:
     """Run ``script`` on ``world_size`` local ranks; return ``out_dir`` once every rank wrote its done-marker.
 
     Raises:
@@ -68,3 +72,32 @@ def msrun(script: str, world_size: int, out_dir: Path, args=(), timeout: float =
             f"--- msrun output ---\n{launcher_out[-3000:]}")
     print(f"msrun {Path(script).name} x{world_size}: {time.time() - start:.0f}s")
     return out_dir
+
+
+def rank_output(out_dir, rank: int = 0) -> str:
+    """What ``rank`` printed, without MindSpore's log lines."""
+    path = Path(out_dir) / "logs" / f"worker_{rank}.log"
+    return "\n".join(l for l in path.read_text(errors="replace").splitlines()
+                     if not l.startswith(("[WARNING]", "[INFO]", "[ERROR]", "[DEBUG]")))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-n", "--nproc", type=int, default=2, help="ranks (local workers)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before every process is killed")
+    ap.add_argument("--out", default="runs/latest", help="output directory (logs in OUT/logs)")
+    ap.add_argument("script")
+    ap.add_argument("args", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    out = Path(a.out).resolve()
+    try:
+        msrun(Path(a.script).resolve(), a.nproc, out, a.args, a.timeout)
+    except AssertionError as err:
+        print(err, file=sys.stderr)
+        return 1
+    print(rank_output(out, 0))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The main job: install, then train a small GPT with ZeRO stages 0-3 on 2 CPU ranks (msrun) and print,
+# per stage, the loss and the bytes each rank holds. Output and logs: runs/stages_demo/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+exec .venv/bin/python -m mindzero.local_launch -n 2 --timeout 1800 --out runs/stages_demo \
+  examples/train_gpt.py --config examples/configs/stages_demo.yaml "$@"
