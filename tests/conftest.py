@@ -3,4 +3,4 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE / "dist"))
+sys.path.insert(0, str(HERE / "multirank"))
