@@ -90,8 +90,10 @@ def main(argv=None):
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
+    # ranks run with OUT as working directory (MindSpore drops its dumps there): absolute paths for files
+    args = [str(Path(x).resolve()) if not x.startswith("-") and Path(x).exists() else x for x in a.args]
     try:
-        msrun(Path(a.script).resolve(), a.nproc, out, a.args, a.timeout)
+        msrun(Path(a.script).resolve(), a.nproc, out, args, a.timeout)
     except AssertionError as err:
         print(err, file=sys.stderr)
         return 1

@@ -1,0 +1,178 @@
+"""The split-info JSON: a versioned schema that alone suffices to rebuild every full tensor.
+
+One file per rank, ``params_split_info_<rank>.json``, in the checkpoint directory::
+
+    {"format_version": 1, "run_id": "...", "stage": 3, "group_size": 2, "rank": 0, "step": 10,
+     "format": "ckpt", "plan_fingerprint": "...",
+     "tensors": [{"name": "dense.weight", "kind": "parameter", "param": "dense.weight",
+                  "shape": [7, 15], "dtype": "float32", "sharded": true, "replicated_reason": "",
+                  "shard_size": 53, "padding": 1, "offset": 0, "file": "rank_0.ckpt",
+                  "key": "dense.weight"}, ...]}
+
+Per tensor: ``name`` (its name in a merged checkpoint), ``kind`` (``parameter``,
+``optimizer_state`` or ``scalar``), ``param`` (the parameter a state belongs to),
+the full ``shape`` and ``dtype``, whether this checkpoint stores it ``sharded``,
+why the plan replicates its parameter (``replicated_reason``, empty when the
+plan shards it), the ``shard_size``, total ``padding`` and this rank's
+``offset`` into the flat padded tensor, and where this rank's piece is: ``file``
+(relative to the checkpoint directory) and ``key`` inside it. A tensor that is
+not sharded is stored whole in the ``file`` named by every rank (rank 0 writes it).
+
+Pure Python (no MindSpore): the merge and reshard tools use it with :mod:`mindzero.plan`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FORMAT_VERSION = 1
+KINDS = ("parameter", "optimizer_state", "scalar")
+FORMATS = ("ckpt", "safetensors")
+
+
+class SplitInfoError(ValueError):
+    """A split-info file is missing, malformed, from another run, or inconsistent with the others."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    kind: str
+    param: str
+    shape: tuple
+    dtype: str
+    sharded: bool
+    replicated_reason: str
+    shard_size: int
+    padding: int
+    offset: int
+    file: str
+    key: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def valid(self) -> int:
+        """Real (non-padding) elements in this rank's piece."""
+        if not self.sharded:
+            return self.numel
+        return max(0, min(self.numel, self.offset + self.shard_size) - self.offset)
+
+
+@dataclass(frozen=True)
+class SplitInfo:
+    run_id: str
+    stage: int
+    group_size: int
+    rank: int
+    step: int
+    format: str
+    plan_fingerprint: str
+    tensors: tuple = field(default_factory=tuple)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["tensors"] = [asdict(t) for t in self.tensors]
+        return json.dumps(d, indent=1)
+
+    def write(self, path) -> None:
+        """Write atomically: a temporary name, fsync, then rename."""
+        write_atomic(Path(path), self.to_json().encode())
+
+    @staticmethod
+    def read(path) -> "SplitInfo":
+        """Read and validate one file.
+
+        Raises:
+            SplitInfoError: naming the file and the field that is missing or wrong.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise SplitInfoError(f"{path}: split-info file is missing")
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise SplitInfoError(f"{path}: not valid JSON ({err})") from None
+        if not isinstance(raw, dict):
+            raise SplitInfoError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            raise SplitInfoError(f"{path}: format_version must be {FORMAT_VERSION}, got {version!r} "
+                                 "(written by another mindzero version?)")
+        expect = {"run_id": str, "stage": int, "group_size": int, "rank": int, "step": int, "format": str,
+                  "plan_fingerprint": str, "tensors": list}
+        for key, typ in expect.items():
+            if not isinstance(raw.get(key), typ):
+                raise SplitInfoError(f"{path}: field {key!r} must be {typ.__name__}, got {raw.get(key)!r}")
+        if raw["format"] not in FORMATS:
+            raise SplitInfoError(f"{path}: field 'format' must be one of {FORMATS}, got {raw['format']!r}")
+        if not 0 <= raw["rank"] < raw["group_size"]:
+            raise SplitInfoError(f"{path}: rank {raw['rank']} is outside group_size {raw['group_size']}")
+        tensors = []
+        for i, t in enumerate(raw["tensors"]):
+            try:
+                entry = TensorEntry(**{**t, "shape": tuple(t["shape"])})
+            except (TypeError, KeyError) as err:
+                raise SplitInfoError(f"{path}: tensors[{i}] is malformed ({err})") from None
+            if entry.kind not in KINDS:
+                raise SplitInfoError(f"{path}: tensors[{i}] ({entry.name}) has kind {entry.kind!r}, "
+                                     f"expected one of {KINDS}")
+            tensors.append(entry)
+        fields = {k: raw[k] for k in expect if k != "tensors"}
+        return SplitInfo(**fields, tensors=tuple(tensors), format_version=version)
+
+    def by_name(self) -> dict:
+        return {t.name: t for t in self.tensors}
+
+
+def split_info_name(rank: int) -> str:
+    return f"params_split_info_{rank}.json"
+
+
+def read_all(ckpt_dir) -> list:
+    """Every rank's split info of a checkpoint directory, validated to agree.
+
+    Raises:
+        SplitInfoError: a rank's file is missing, or two files disagree (naming the file and the field).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    first = SplitInfo.read(ckpt_dir / split_info_name(0))
+    infos = [first] + [SplitInfo.read(ckpt_dir / split_info_name(r)) for r in range(1, first.group_size)]
+    check_consistent(infos, [ckpt_dir / split_info_name(r) for r in range(first.group_size)])
+    return infos
+
+
+def check_consistent(infos, paths) -> None:
+    """Raise :class:`SplitInfoError` unless the files describe the ranks 0..N-1 of one checkpoint."""
+    ref = infos[0]
+    ref_tensors = {t.name: (t.kind, t.param, t.shape, t.dtype, t.sharded) for t in ref.tensors}
+    for info, path in zip(infos, paths):
+        for key in ("run_id", "stage", "group_size", "step", "format", "plan_fingerprint", "format_version"):
+            if getattr(info, key) != getattr(ref, key):
+                raise SplitInfoError(f"{path}: field {key!r} is {getattr(info, key)!r} but rank 0 has "
+                                     f"{getattr(ref, key)!r} (files from different checkpoints?)")
+        if info.rank != paths.index(path):
+            raise SplitInfoError(f"{path}: field 'rank' is {info.rank}, expected {paths.index(path)}")
+        tensors = {t.name: (t.kind, t.param, t.shape, t.dtype, t.sharded) for t in info.tensors}
+        if tensors != ref_tensors:
+            missing = sorted(set(ref_tensors) - set(tensors))
+            extra = sorted(set(tensors) - set(ref_tensors))
+            changed = sorted(n for n in set(tensors) & set(ref_tensors) if tensors[n] != ref_tensors[n])
+            raise SplitInfoError(f"{path}: tensor set differs from rank 0's (missing {missing[:3]}, extra "
+                                 f"{extra[:3]}, different {changed[:3]})")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same directory, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
