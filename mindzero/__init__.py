@@ -18,6 +18,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "prepare_train_network": "mindzero.prepare",
     "gather_full_state_dict": "mindzero.checkpoint",
+    "save_checkpoint": "mindzero.checkpoint",
+    "load_checkpoint": "mindzero.checkpoint",
+    "save_full_checkpoint": "mindzero.checkpoint",
+    "merge_checkpoint": "mindzero.merge",
+    "reshard_checkpoint": "mindzero.merge",
+    "convert_checkpoints": "mindzero.merge",
     "memory_report": "mindzero.memory",
     "register_elementwise_optimizer": "mindzero.optim",
 }

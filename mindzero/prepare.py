@@ -161,7 +161,8 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
     train_net = ZeroTrainOneStepCell(network, optimizer, weights, micro, boundary, norm_slicers,
                                      [s.sharded for s in opt_specs], gathers, full_params, masters, buffers,
                                      scale_param, manager, config, world)
-    train_net.zero_info = ZeroInfo(config, world, plan, tuple(state_attrs), tuple(masters), tuple(buffers))
+    train_net.zero_info = ZeroInfo(config, world, plan, tuple(state_attrs), tuple(masters), tuple(full_params),
+                                   tuple(buffers), tuple(p.name for p in opt_params))
     if verbose and world.rank == 0:
         logger.warning("mindzero: zero_stage=%d, group size %d\n%s", config.zero_stage, world.group_size,
                        plan.summary())
@@ -171,10 +172,13 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
 class ZeroInfo:
     """What mindzero built for a train step (read by memory reports, checkpoints and tools)."""
 
-    def __init__(self, config, world, plan, state_attrs, master_shards, accum_buffers):
+    def __init__(self, config, world, plan, state_attrs, master_shards, master_fulls, accum_buffers,
+                 opt_param_names):
         self.config = config
         self.world = world
         self.plan = plan
-        self.state_attrs = state_attrs
-        self.master_shards = master_shards
+        self.state_attrs = state_attrs  # the optimizer's per-parameter state tuples
+        self.master_shards = master_shards  # stages 1-2: what the optimizer updates ...
+        self.master_fulls = master_fulls  # ... and the full network parameter of each
         self.accum_buffers = accum_buffers
+        self.opt_param_names = opt_param_names  # full parameter names in optimizer order

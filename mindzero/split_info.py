@@ -16,7 +16,9 @@ why the plan replicates its parameter (``replicated_reason``, empty when the
 plan shards it), the ``shard_size``, total ``padding`` and this rank's
 ``offset`` into the flat padded tensor, and where this rank's piece is: ``file``
 (relative to the checkpoint directory) and ``key`` inside it. A tensor that is
-not sharded is stored whole in the ``file`` named by every rank (rank 0 writes it).
+not sharded is stored whole: identical replicated tensors once (by rank 0, the
+``file`` every rank names), per-rank buffers such as BatchNorm statistics in each
+rank's own file (a merge takes rank 0's). :func:`placement` is the rule.
 
 Pure Python (no MindSpore): the merge and reshard tools use it with :mod:`mindzero.plan`.
 """
@@ -129,6 +131,22 @@ class SplitInfo:
 
     def by_name(self) -> dict:
         return {t.name: t for t in self.tensors}
+
+
+def placement(kind: str, stage: int, plan_sharded: bool, per_rank: bool, rank: int, fmt: str):
+    """Where one tensor lives in a checkpoint of ``stage``: ``(stored sharded, file)``.
+
+    The one rule, used by saving and by resharding: a parameter is stored in shards at stage 3 and
+    an optimizer state from stage 1 on, when the plan shards its parameter; shards and per-rank
+    buffers go to the rank's own file; identical replicated tensors are written once, by rank 0,
+    into ``network.<fmt>`` (full network parameters, stages 0-2) or ``rank_0.<fmt>``.
+    """
+    sharded = plan_sharded and ((kind == "parameter" and stage == 3) or (kind == "optimizer_state" and stage >= 1))
+    if sharded or per_rank:
+        return sharded, f"rank_{rank}.{fmt}"
+    if kind == "parameter" and stage < 3:
+        return False, f"network.{fmt}"
+    return False, f"rank_0.{fmt}"
 
 
 def split_info_name(rank: int) -> str:

@@ -1,0 +1,319 @@
+"""Offline merge and reshard of mindzero checkpoints, one tensor at a time (no MindSpore import).
+
+* :func:`merge_checkpoint`: one full checkpoint with the network's original parameter names
+  (optionally the optimizer states too), loadable into the plain network for inference.
+* :func:`reshard_checkpoint`: the same training state laid out for another world size and/or stage,
+  loadable with :func:`mindzero.load_checkpoint` by the new run.
+* :func:`convert_checkpoints`: mindone's signature over a mindzero checkpoint directory.
+
+Everything is validated before anything is written: all ranks' split-info files present and
+agreeing (:func:`mindzero.split_info.read_all`), every file present and not truncated, every
+piece of the expected shape. Output is written under a temporary name and renamed at the end.
+Peak memory is about one full tensor plus file buffers.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .ckpt_io import CheckpointFileError, np_dtype, open_reader, open_writer
+from .plan import REASON_NOT_OPTIMIZED, REASON_USER, ParamInfo, PartitionPlan
+from .split_info import (FORMATS, SplitInfo, SplitInfoError, TensorEntry, placement, read_all, split_info_name,
+                         write_atomic)
+
+COMPLETE = "COMPLETE"
+
+
+class MergeError(ValueError):
+    """The checkpoint cannot be merged or resharded; nothing was written."""
+
+
+class Source:
+    """A validated checkpoint directory: its ranks' split infos and a reader per file."""
+
+    def __init__(self, ckpt_dir):
+        self.dir = Path(ckpt_dir)
+        if not self.dir.is_dir():
+            raise MergeError(f"{self.dir}: checkpoint directory does not exist")
+        if not (self.dir / COMPLETE).is_file():
+            raise MergeError(f"{self.dir}: incomplete checkpoint (no {COMPLETE} marker: the save was interrupted)")
+        try:
+            self.infos = read_all(self.dir)
+        except SplitInfoError as err:
+            raise MergeError(str(err)) from None
+        self.readers = {}
+        try:
+            for info in self.infos:
+                for t in info.tensors:
+                    self._check_piece(t)
+        except CheckpointFileError as err:
+            raise MergeError(str(err)) from None
+        self.ref = self.infos[0]
+        self.group_size = self.ref.group_size
+
+    def _reader(self, file):
+        if file not in self.readers:
+            self.readers[file] = open_reader(self.dir / file)
+        return self.readers[file]
+
+    def _check_piece(self, t: TensorEntry) -> None:
+        dtype, shape = self._reader(t.file).meta(t.key)
+        want = (t.shard_size,) if t.sharded else tuple(t.shape)
+        if dtype != t.dtype or tuple(shape) != want:
+            raise MergeError(f"{self.dir / t.file}: tensor {t.key!r} is {dtype}{tuple(shape)}, the split info "
+                             f"says {t.dtype}{want}")
+
+    def full(self, name: str) -> np.ndarray:
+        """The full tensor ``name``: rank 0's copy, or the shards of every rank joined and unpadded."""
+        first = self.ref.by_name()[name]
+        if not first.sharded:
+            return self._reader(first.file).read(first.key).reshape(first.shape)
+        out = np.empty(first.numel, dtype=np_dtype(first.dtype))
+        for info in self.infos:
+            t = info.by_name()[name]
+            if t.valid:
+                out[t.offset:t.offset + t.valid] = self._reader(t.file).read(t.key)[:t.valid]
+        return out.reshape(first.shape)
+
+    def rank_piece(self, name: str, rank: int) -> np.ndarray:
+        """Rank ``rank``'s own copy of a tensor stored per rank (e.g. BatchNorm statistics)."""
+        t = self.infos[rank].by_name()[name]
+        return self._reader(t.file).read(t.key).reshape(t.shape)
+
+
+class _Progress:
+    def __init__(self, total_tensors, total_bytes, log):
+        self.n, self.total, self.total_bytes, self.log = 0, total_tensors, total_bytes, log
+        self.bytes, self.start, self.last = 0, time.time(), time.time()
+
+    def step(self, nbytes):
+        self.n += 1
+        self.bytes += nbytes
+        if time.time() - self.last > 5 and self.log:
+            self.last = time.time()
+            self.log(f"  {self.n}/{self.total} tensors, {self.bytes / 2**20:.1f}/{self.total_bytes / 2**20:.1f} MiB")
+
+    def summary(self, what, out):
+        secs = time.time() - self.start
+        text = f"{what} {self.n} tensors, {self.bytes / 2**20:.1f} MiB in {secs:.1f}s -> {out}"
+        if self.log:
+            self.log(text)
+        return {"tensors": self.n, "bytes": self.bytes, "seconds": secs, "output": str(out)}
+
+
+def _refuse_existing(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise MergeError(f"output {str(out)!r} exists; pass force=True (--force) to replace it")
+
+
+def merge_checkpoint(ckpt_dir, out, format="ckpt", with_optimizer=False, force=False, log=print) -> dict:
+    """Write one full checkpoint from a mindzero checkpoint directory.
+
+    Args:
+        ckpt_dir: written by :func:`mindzero.save_checkpoint` (any stage, any world size).
+        out: output file (``.ckpt`` or ``.safetensors``, per ``format``).
+        with_optimizer: also write the optimizer states and scalars, under their own names.
+        force: replace ``out`` if it exists.
+        log: progress and summary lines (``None`` for silence).
+
+    Returns:
+        ``{"tensors", "bytes", "seconds", "output"}``.
+
+    Raises:
+        MergeError: any validation failure (the message names the file and field); nothing is written.
+    """
+    if format not in FORMATS:
+        raise MergeError(f"format must be one of {FORMATS}, got {format!r}")
+    out = Path(out)
+    _refuse_existing(out, force)
+    src = Source(ckpt_dir)
+    kinds = ("parameter", "optimizer_state", "scalar") if with_optimizer else ("parameter",)
+    entries = [t for t in src.ref.tensors if t.kind in kinds]
+    if not entries:
+        raise MergeError(f"{src.dir}: the checkpoint has no tensors of kinds {kinds}")
+    layout = [(t.name, t.dtype, t.shape) for t in entries]
+    progress = _Progress(len(entries), sum(t.numel * np_dtype(t.dtype).itemsize for t in entries), log)
+    with open_writer(out, format, layout) as writer:
+        for t in entries:
+            value = src.full(t.name)
+            writer.write(t.name, value, t.dtype)
+            progress.step(value.nbytes)
+    return progress.summary("merged", out)
+
+
+def _plan_from_entries(ref: SplitInfo, group_size: int) -> PartitionPlan:
+    infos = [ParamInfo(t.name, tuple(t.shape), t.dtype, optimized=t.replicated_reason != REASON_NOT_OPTIMIZED,
+                       parallel_optimizer=t.replicated_reason != REASON_USER)
+             for t in ref.tensors if t.kind == "parameter"]
+    return PartitionPlan.build(infos, group_size, 0)
+
+
+def _resharded_infos(src: Source, world_size: int, stage: int, fmt: str, run_id: str) -> list:
+    """The split infos of the new layout, one per new rank (same tensors, new placement)."""
+    plan = _plan_from_entries(src.ref, world_size)
+    specs = {s.name: s for s in plan}
+    out = []
+    for rank in range(world_size):
+        entries = []
+        for t in src.ref.tensors:
+            spec = specs[t.param].for_rank(rank) if t.param else None
+            per_rank = t.kind == "parameter" and spec.reason == REASON_NOT_OPTIMIZED
+            sharded, file = placement(t.kind, stage, bool(spec and spec.sharded), per_rank, rank, fmt)
+            entries.append(TensorEntry(t.name, t.kind, t.param, t.shape, t.dtype, sharded,
+                                       spec.reason if spec else "", spec.shard_size if sharded else t.numel,
+                                       spec.padding if sharded else 0, spec.offset if sharded else 0, file, t.name))
+        out.append(SplitInfo(run_id, stage, world_size, rank, src.ref.step, fmt, plan.fingerprint(), tuple(entries)))
+    return out
+
+
+def reshard_checkpoint(ckpt_dir, out_dir, world_size, stage=None, format=None, force=False, log=print) -> dict:
+    """Rewrite a checkpoint saved by N ranks for ``world_size`` ranks at ``stage`` (default: the same stage).
+
+    Per-rank buffers (e.g. BatchNorm statistics) of new rank ``m`` come from old rank ``m``, or rank 0
+    when the old run had fewer ranks.
+
+    Raises:
+        MergeError: bad arguments or an invalid source; nothing is written.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise MergeError(f"world_size must be an int >= 1, got {world_size!r}")
+    src = Source(ckpt_dir)
+    stage = src.ref.stage if stage is None else stage
+    if stage not in (0, 1, 2, 3):
+        raise MergeError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    fmt = format or src.ref.format
+    out_dir = Path(out_dir)
+    _refuse_existing(out_dir, force)
+    run_id = f"reshard-{src.ref.run_id}-{world_size}x{stage}"
+    infos = _resharded_infos(src, world_size, stage, fmt, run_id)
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        _write_resharded(src, infos, partial, fmt, log)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    partial.rename(out_dir)
+    return {"world_size": world_size, "stage": stage, "output": str(out_dir)}
+
+
+def _write_resharded(src: Source, infos: list, partial: Path, fmt: str, log) -> None:
+    layouts = {}
+    for info in infos:
+        for t in info.tensors:
+            piece = (t.shard_size,) if t.sharded else tuple(t.shape)
+            if t.file.startswith("rank_") and int(t.file.split("_")[1].split(".")[0]) != info.rank:
+                continue  # rank 0's shared file: listed once, by rank 0
+            layouts.setdefault(t.file, {}).setdefault(t.name, (t.name, t.dtype, piece))
+    writers = {f: open_writer(partial / f, fmt, list(lay.values())) for f, lay in layouts.items()}
+    progress = _Progress(len(src.ref.tensors), sum(t.numel * np_dtype(t.dtype).itemsize for t in src.ref.tensors),
+                         log)
+    try:
+        for i, t in enumerate(src.ref.tensors):
+            full = None if t.kind == "parameter" and t.replicated_reason == REASON_NOT_OPTIMIZED else src.full(t.name)
+            written = set()
+            for info in infos:
+                new = info.tensors[i]
+                if (new.file, new.name) in written:
+                    continue
+                written.add((new.file, new.name))
+                value = full if full is not None else src.rank_piece(t.name, info.rank if info.rank < src.group_size
+                                                                     else 0)
+                flat = value.reshape(-1)
+                if new.sharded:
+                    piece = np.zeros(new.shard_size, flat.dtype)
+                    piece[:new.valid] = flat[new.offset:new.offset + new.valid]
+                    value = piece
+                writers[new.file].write(new.name, value, new.dtype)
+            progress.step(t.numel * np_dtype(t.dtype).itemsize)
+        for w in writers.values():
+            w.commit()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    for info in infos:
+        info.write(partial / split_info_name(info.rank))
+    marker = {"run_id": infos[0].run_id, "step": infos[0].step, "group_size": len(infos),
+              "resharded_from": str(src.dir), "files": sorted(p.name for p in partial.iterdir())}
+    write_atomic(partial / COMPLETE, json.dumps(marker, indent=1).encode())
+    progress.summary(f"resharded to {len(infos)} ranks, stage {infos[0].stage}:", partial)
+
+
+def convert_checkpoints(src_checkpoint, src_param_split_info_json, group_size, format="ckpt"):
+    """mindone's ``convert_checkpoints`` over a mindzero checkpoint: merge it into one full checkpoint.
+
+    Args:
+        src_checkpoint: per-rank file pattern, e.g. ``"ckpt_dir/rank_{}.ckpt"``.
+        src_param_split_info_json: split-info pattern, e.g. ``"ckpt_dir/params_split_info_{}.json"``.
+        group_size: the number of ranks that saved it.
+
+    Returns:
+        the merged checkpoint's path, ``src_checkpoint.format(f"all_{group_size}")`` (as mindone does).
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise MergeError(f"group_size must be an int >= 1, got {group_size!r}")
+    ckpt_dir = Path(src_param_split_info_json.format(0)).parent
+    for r in range(group_size):
+        rank_file, info_file = Path(src_checkpoint.format(r)), Path(src_param_split_info_json.format(r))
+        if info_file != ckpt_dir / split_info_name(r):
+            raise MergeError(f"src_param_split_info_json must name {split_info_name(r)} files of one directory, "
+                             f"got {str(info_file)!r}")
+        if rank_file.parent != ckpt_dir or not rank_file.is_file():
+            raise MergeError(f"src_checkpoint {src_checkpoint!r} gives {str(rank_file)!r} for rank {r}, which is "
+                             f"not a file in {str(ckpt_dir)!r}")
+    saved = SplitInfo.read(ckpt_dir / split_info_name(0))
+    if saved.group_size != group_size:
+        raise MergeError(f"group_size is {group_size}, but the checkpoint was saved by {saved.group_size} ranks")
+    out = src_checkpoint.format(f"all_{group_size}")
+    merge_checkpoint(ckpt_dir, out, format=format, force=True, log=None)
+    return out
+
+
+def main_merge(argv=None):
+    """``mindzero-merge CKPT_DIR -o OUT [--format ckpt|safetensors] [--with-optimizer] [--force]``"""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="mindzero-merge", description="Merge a mindzero checkpoint into one full "
+                                 "checkpoint (original parameter names), streaming tensor by tensor.")
+    ap.add_argument("ckpt_dir")
+    ap.add_argument("-o", "--out", required=True)
+    ap.add_argument("--format", choices=FORMATS, default="ckpt")
+    ap.add_argument("--with-optimizer", action="store_true", help="include optimizer states and scalars")
+    ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    a = ap.parse_args(argv)
+    try:
+        merge_checkpoint(a.ckpt_dir, a.out, a.format, a.with_optimizer, a.force)
+    except MergeError as err:
+        print(f"mindzero-merge: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main_reshard(argv=None):
+    """``mindzero-reshard CKPT_DIR -o OUT --world-size M [--stage S] [--format F] [--force]``"""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="mindzero-reshard", description="Rewrite a mindzero checkpoint for another "
+                                 "world size and/or ZeRO stage, optimizer state included.")
+    ap.add_argument("ckpt_dir")
+    ap.add_argument("-o", "--out", required=True)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--stage", type=int, choices=(0, 1, 2, 3))
+    ap.add_argument("--format", choices=FORMATS)
+    ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    a = ap.parse_args(argv)
+    try:
+        reshard_checkpoint(a.ckpt_dir, a.out, a.world_size, a.stage, a.format, a.force)
+    except MergeError as err:
+        print(f"mindzero-reshard: error: {err}", file=sys.stderr)
+        return 2
+    return 0
