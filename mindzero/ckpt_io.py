@@ -77,74 +77,94 @@ def _enc_varint(n: int) -> bytes:
 
 
 def _fields(buf, start, end, path):
-    """Yield ``(field number, wire type, value or (offset, length))`` of a protobuf message in ``buf[start:end]``."""
+    """Yield ``(field number, wire type, (offset, length))`` of a protobuf message in ``buf[start:end]``
+    (for varints ``(value, 0)``). ``buf`` may end before ``end``: fields past it are not visited."""
     pos = start
     while pos < end:
         key, pos = _varint(buf, pos, path)
         number, wire = key >> 3, key & 7
         if wire == 0:
             value, pos = _varint(buf, pos, path)
-            yield number, wire, value
+            yield number, wire, (value, 0)
         elif wire == 2:
             length, pos = _varint(buf, pos, path)
             if pos + length > end:
                 raise CheckpointFileError(f"{path}: truncated (field {number} needs {length} bytes at byte {pos})")
             yield number, wire, (pos, length)
             pos += length
-        elif wire == 1:
-            yield number, wire, buf[pos:pos + 8]
-            pos += 8
-        elif wire == 5:
-            yield number, wire, buf[pos:pos + 4]
-            pos += 4
+            if pos >= len(buf):  # the rest of this message lies beyond the bytes read (tensor data)
+                return
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
         else:
             raise CheckpointFileError(f"{path}: corrupted (wire type {wire} at byte {pos})")
 
 
 class CkptReader:
-    """Index of a MindSpore ``.ckpt`` file; :meth:`read` returns one tensor as a numpy array."""
+    """Index of a MindSpore ``.ckpt`` file; :meth:`read` returns one tensor as a numpy array.
+
+    The scan reads only each message's first bytes (name, dims, type and where the raw
+    bytes are) and seeks past the tensor data, so memory stays small whatever the file size.
+    """
+
+    HEAD = 1 << 16  # bytes read at the start of each message; names and dims fit easily
 
     def __init__(self, path):
         self.path = Path(path)
         if not self.path.is_file():
             raise CheckpointFileError(f"{self.path}: checkpoint file is missing")
-        self._buf = np.memmap(self.path, mode="r", dtype=np.uint8) if self.path.stat().st_size else b""
         self.index = {}  # name -> (dtype name, shape, [(offset, length), ...])
-        self._scan()
+        with open(self.path, "rb") as f:
+            self._scan(f, self.path.stat().st_size)
+        self._check_sizes()
 
-    def _scan(self):
-        buf, path = self._buf, self.path
-        for number, wire, span in _fields(buf, 0, len(buf), path):
-            if number != 1 or wire != 2:
-                raise CheckpointFileError(f"{path}: not a MindSpore checkpoint (top-level field {number})")
-            name, dims, dtype, content = None, [], None, None
-            for n2, w2, v2 in _fields(buf, span[0], span[0] + span[1], path):
-                if n2 == 1 and w2 == 2:
-                    name = bytes(buf[v2[0]:v2[0] + v2[1]]).decode()
-                elif n2 == 2 and w2 == 2:
-                    for n3, w3, v3 in _fields(buf, v2[0], v2[0] + v2[1], path):
-                        if n3 == 1 and w3 == 0:
-                            dims.append(v3)
-                        elif n3 == 1 and w3 == 2:  # packed dims
-                            p = v3[0]
-                            while p < v3[0] + v3[1]:
-                                d, p = _varint(buf, p, path)
-                                dims.append(d)
-                        elif n3 == 2 and w3 == 2:
-                            dtype = bytes(buf[v3[0]:v3[0] + v3[1]]).decode()
-                        elif n3 == 3 and w3 == 2:
-                            content = v3
-            if name is None or dtype is None or content is None:
-                raise CheckpointFileError(f"{path}: corrupted (a value without name, type or content)")
-            if dtype not in MS_TO_NAME:
-                raise CheckpointFileError(f"{path}: tensor {name!r} has unsupported type {dtype!r}")
-            entry = self.index.setdefault(name, (MS_TO_NAME[dtype], tuple(dims), []))
-            entry[2].append(content)
+    def _scan(self, f, size):
+        pos = 0
+        while pos < size:
+            f.seek(pos)
+            head = f.read(min(self.HEAD, size - pos))
+            key, p = _varint(head, 0, self.path)
+            if key != 0x0A:
+                raise CheckpointFileError(f"{self.path}: not a MindSpore checkpoint (byte {pos}: field key {key})")
+            length, p = _varint(head, p, self.path)
+            if pos + p + length > size:
+                raise CheckpointFileError(f"{self.path}: truncated (a record of {length} bytes at byte {pos}, "
+                                          f"file of {size})")
+            self._index_value(head, p, p + length, pos)
+            pos += p + length
+
+    def _index_value(self, head, start, end, base):
+        """Record one ``Value`` found in ``head[start:end]`` (``end`` may lie beyond ``head``)."""
+        name, dims, dtype, content = None, [], None, None
+        for n2, w2, (o2, l2) in _fields(head, start, end, self.path):
+            if n2 == 1 and w2 == 2:
+                name = _text(head, o2, l2, self.path)
+            elif n2 == 2 and w2 == 2:
+                for n3, w3, (o3, l3) in _fields(head, o2, o2 + l2, self.path):
+                    if n3 == 1 and w3 == 0:
+                        dims.append(o3)
+                    elif n3 == 1 and w3 == 2:  # packed dims
+                        q = o3
+                        while q < o3 + l3:
+                            d, q = _varint(head, q, self.path)
+                            dims.append(d)
+                    elif n3 == 2 and w3 == 2:
+                        dtype = _text(head, o3, l3, self.path)
+                    elif n3 == 3 and w3 == 2:
+                        content = (base + o3, l3)
+        if name is None or dtype is None or content is None:
+            raise CheckpointFileError(f"{self.path}: corrupted (a record at byte {base} without name, type or data)")
+        if dtype not in MS_TO_NAME:
+            raise CheckpointFileError(f"{self.path}: tensor {name!r} has unsupported type {dtype!r}")
+        entry = self.index.setdefault(name, (MS_TO_NAME[dtype], tuple(dims), []))
+        entry[2].append(content)
+
+    def _check_sizes(self):
         for name, (dtype, shape, parts) in self.index.items():
             have = sum(length for _, length in parts)
             need = math.prod(shape) * np_dtype(dtype).itemsize
             if have != need:
-                raise CheckpointFileError(f"{path}: tensor {name!r} has {have} bytes, its shape {shape} "
+                raise CheckpointFileError(f"{self.path}: tensor {name!r} has {have} bytes, its shape {shape} "
                                           f"and dtype {dtype} need {need} (truncated or corrupted)")
 
     def names(self):
@@ -158,13 +178,22 @@ class CkptReader:
 
     def read(self, name) -> np.ndarray:
         dtype, shape = self.meta(name)
-        parts = self.index[name][2]
-        raw = b"".join(bytes(self._buf[o:o + n]) for o, n in parts) if len(parts) > 1 else \
-            self._buf[parts[0][0]:parts[0][0] + parts[0][1]]
-        return np.frombuffer(raw, dtype=np_dtype(dtype)).reshape(shape).copy()
+        out = np.empty(math.prod(shape), dtype=np_dtype(dtype))
+        view, at = out.view(np.uint8), 0
+        with open(self.path, "rb") as f:
+            for offset, length in self.index[name][2]:
+                f.seek(offset)
+                if f.readinto(memoryview(view)[at:at + length]) != length:
+                    raise CheckpointFileError(f"{self.path}: truncated while reading {name!r}")
+                at += length
+        return out.reshape(shape)
 
-    def close(self):
-        self._buf = b""
+
+def _text(buf, offset, length, path) -> str:
+    if offset + length > len(buf):
+        raise CheckpointFileError(f"{path}: unexpected record layout (a name or type beyond the first "
+                                  f"{CkptReader.HEAD} bytes)")
+    return bytes(buf[offset:offset + length]).decode()
 
 
 class SafetensorsReader:

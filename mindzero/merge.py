@@ -262,6 +262,12 @@ def convert_checkpoints(src_checkpoint, src_param_split_info_json, group_size, f
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise MergeError(f"group_size must be an int >= 1, got {group_size!r}")
     ckpt_dir = Path(src_param_split_info_json.format(0)).parent
+    try:
+        saved = SplitInfo.read(ckpt_dir / split_info_name(0))
+    except SplitInfoError as err:
+        raise MergeError(str(err)) from None
+    if saved.group_size != group_size:
+        raise MergeError(f"group_size is {group_size}, but the checkpoint was saved by {saved.group_size} ranks")
     for r in range(group_size):
         rank_file, info_file = Path(src_checkpoint.format(r)), Path(src_param_split_info_json.format(r))
         if info_file != ckpt_dir / split_info_name(r):
@@ -270,9 +276,6 @@ def convert_checkpoints(src_checkpoint, src_param_split_info_json, group_size, f
         if rank_file.parent != ckpt_dir or not rank_file.is_file():
             raise MergeError(f"src_checkpoint {src_checkpoint!r} gives {str(rank_file)!r} for rank {r}, which is "
                              f"not a file in {str(ckpt_dir)!r}")
-    saved = SplitInfo.read(ckpt_dir / split_info_name(0))
-    if saved.group_size != group_size:
-        raise MergeError(f"group_size is {group_size}, but the checkpoint was saved by {saved.group_size} ranks")
     out = src_checkpoint.format(f"all_{group_size}")
     merge_checkpoint(ckpt_dir, out, format=format, force=True, log=None)
     return out

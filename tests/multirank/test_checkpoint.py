@@ -1,0 +1,133 @@
+"""Checkpoints across processes: resume bit-identical (fresh processes), merge into the plain network,
+mindone-style convert_checkpoints, reshard 4->2 (stage 3->2) and 2->4 (stage 1->3) with continued training."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mindzero
+from mindzero.local_launch import msrun
+
+HERE = Path(__file__).resolve().parent
+STAGES = (0, 1, 2, 3)
+
+
+def load(out, rank, name):
+    with np.load(Path(out) / f"rank_{rank}" / f"{name}.npz") as f:
+        return {k: f[k] for k in f.files}
+
+
+def launch(n, out, phase, scenarios):
+    msrun(HERE / "worker_checkpoint.py", n, out, ["--phase", phase, "--scenarios", json.dumps(scenarios)],
+          timeout=900)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """All launches once: 2-rank and 4-rank training with saves, reshards, then fresh resumes."""
+    root = tmp_path_factory.mktemp("ckpt")
+    ck = root / "checkpoints"
+    two = [dict(name=f"mixed-{s}", model="mixed", stage=s, ckpt=str(ck / f"mixed-{s}"),
+                format="safetensors" if s == 2 else "ckpt", full_path=str(ck / f"full-{s}.ckpt")) for s in STAGES]
+    two += [dict(name="resnet-3", model="resnet", stage=3, ckpt=str(ck / "resnet-3")),
+            dict(name="awk2-s1", model="awkward", stage=1, ckpt=str(ck / "awk2-s1"))]
+    four = [dict(name="awk4-s3", model="awkward", stage=3, ckpt=str(ck / "awk4-s3"))]
+    launch(2, root / "train2", "train", two)
+    launch(4, root / "train4", "train", four)
+    mindzero.reshard_checkpoint(ck / "awk4-s3", ck / "awk4-to-2-s2", 2, stage=2, log=None)
+    mindzero.reshard_checkpoint(ck / "awk2-s1", ck / "awk2-to-4-s3", 4, stage=3, log=None)
+    resume2 = [dict(s) for s in two[:5]] + [dict(name="awk4-to-2", model="awkward", stage=2,
+                                               ckpt=str(ck / "awk4-to-2-s2"))]
+    launch(2, root / "resume2", "resume", resume2)
+    launch(4, root / "resume4", "resume", [dict(name="awk2-to-4", model="awkward", stage=3,
+                                                ckpt=str(ck / "awk2-to-4-s3"))])
+    return root
+
+
+@pytest.mark.parametrize("name", [f"mixed-{s}" for s in STAGES] + ["resnet-3"])
+def test_resume_in_fresh_processes(runs, name):
+    """Fresh processes restore the saved state bit for bit, and continue exactly as the run that never
+    stopped. Exception, measured: the BatchNorm/Conv2d net at 2 ranks differs by 1 ulp in its 3rd resumed
+    loss although every restored tensor is bit-equal; plain data parallel (stage 0) does the same and one
+    process is exact, so it is MindSpore's CPU kernels, not missing state (docs/checkpoints.md)."""
+    exact = not name.startswith("resnet")
+    for r in range(2):
+        straight, resumed = load(runs / "train2", r, name), load(runs / "resume2", r, name)
+        for k in (k for k in straight if k.startswith("saved/")):
+            np.testing.assert_array_equal(resumed["loaded/" + k[6:]], straight[k], err_msg=f"{name} rank {r} {k}")
+        if exact:
+            assert resumed["last"].tolist() == straight["last"].tolist(), (r, resumed["last"], straight["last"])
+        np.testing.assert_allclose(resumed["last"], straight["last"], rtol=1e-6, atol=0)
+        for k in (k for k in straight if k.startswith("param/")):
+            if exact:
+                np.testing.assert_array_equal(resumed[k], straight[k], err_msg=f"{name} rank {r} {k}")
+            else:
+                np.testing.assert_allclose(resumed[k], straight[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_merge_loads_into_plain_network(runs, stage, tmp_path):
+    import mindspore as ms
+    from models import build
+
+    saved = load(runs / "train2", 0, f"mixed-{stage}")
+    fmt = "safetensors" if stage == 2 else "ckpt"
+    out = tmp_path / f"merged.{fmt}"
+    summary = mindzero.merge_checkpoint(runs / "checkpoints" / f"mixed-{stage}", out, format=fmt, log=None)
+    net = build("mixed")
+    not_loaded, _ = ms.load_param_into_net(net, ms.load_checkpoint(str(out), format=fmt))
+    assert not_loaded == [] and summary["tensors"] == len(list(net.get_parameters()))
+    for p in net.get_parameters():
+        np.testing.assert_array_equal(p.asnumpy(), saved["saved/" + p.name], err_msg=p.name)
+    # the online one-call full checkpoint (rank 0 wrote it) is the same
+    online = ms.load_checkpoint(str(runs / "checkpoints" / f"full-{stage}.ckpt"))
+    for p in net.get_parameters():
+        np.testing.assert_array_equal(online[p.name].asnumpy(), p.asnumpy(), err_msg=p.name)
+
+
+def test_merge_with_optimizer_states(runs, tmp_path):
+    out = tmp_path / "with_opt.ckpt"
+    mindzero.merge_checkpoint(runs / "checkpoints" / "mixed-3", out, with_optimizer=True, log=None)
+    from mindzero.ckpt_io import CkptReader
+
+    names = CkptReader(out).names()
+    assert "adam_m.inp.weight" in names and "adam_v.out.bias" in names and "global_step" in names
+    assert CkptReader(out).meta("adam_m.inp.weight")[1] == (20, 12)
+
+
+def test_mindone_style_convert_checkpoints(runs, tmp_path):
+    import shutil
+
+    src = tmp_path / "ck"
+    shutil.copytree(runs / "checkpoints" / "mixed-3", src)
+    out = mindzero.convert_checkpoints(str(src / "rank_{}.ckpt"), str(src / "params_split_info_{}.json"), 2)
+    assert out == str(src / "rank_all_2.ckpt")
+    import mindspore as ms
+
+    merged = ms.load_checkpoint(out)
+    saved = load(runs / "train2", 0, "mixed-3")
+    for k in (k for k in saved if k.startswith("saved/")):
+        np.testing.assert_array_equal(merged[k[len("saved/"):]].asnumpy(), saved[k])
+    with pytest.raises(mindzero.merge.MergeError, match="group_size is 4, but the checkpoint was saved by 2"):
+        mindzero.convert_checkpoints(str(src / "rank_{}.ckpt"), str(src / "params_split_info_{}.json"), 4)
+
+
+def _global(out, name, n):
+    runs = [load(out, r, name) for r in range(n)]
+    return np.mean([r["last"] for r in runs], axis=0), runs[0]
+
+
+@pytest.mark.parametrize("src, dst, n_src, n_dst", [("train4", "resume2", 4, 2), ("train2", "resume4", 2, 4)])
+def test_reshard_continues_like_the_original_world(runs, src, dst, n_src, n_dst):
+    """4 ranks stage 3 -> 2 ranks stage 2, and 2 ranks stage 1 -> 4 ranks stage 3: the continuation
+    (global mean loss per step, final parameters) equals the run that went on in the original world."""
+    ref_name, new_name = ("awk4-s3", "awk4-to-2") if n_src == 4 else ("awk2-s1", "awk2-to-4")
+    ref_loss, ref = _global(runs / src, ref_name, n_src)
+    new_loss, new = _global(runs / dst, new_name, n_dst)
+    np.testing.assert_allclose(new_loss, ref_loss, rtol=1e-5)
+    for k in (k for k in ref if k.startswith("param/")):
+        err = np.max(np.abs(new[k] - ref[k])) / max(np.max(np.abs(ref[k])), 1e-12)
+        assert err <= 1e-5, f"{k}: {err:.2e}"
+    # the continuation really trained: parameters moved after the save
+    assert any(np.max(np.abs(ref["param/" + k[6:]] - ref[k])) > 1e-4 for k in ref if k.startswith("saved/"))
