@@ -289,6 +289,7 @@ class CkptWriter(_AtomicFile):
         super().__init__(path)
 
     def write(self, name: str, array: np.ndarray, dtype: str) -> None:
+        """Append ``array``; the header bytes are built, the data is written from the array's own buffer."""
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         dims = b"".join(_enc_varint(d) for d in array.shape)
         head = b"\x0a" + _enc_varint(len(dims)) + dims if array.shape else b""
@@ -297,10 +298,13 @@ class CkptWriter(_AtomicFile):
         tag = name.encode()
         step = max(SLICE_BYTES - SLICE_BYTES % max(array.itemsize, 1), array.itemsize)
         for start in range(0, max(flat.size, 1), step):
-            chunk = flat[start:start + step].tobytes()
-            tensor = head + b"\x1a" + _enc_varint(len(chunk)) + chunk
-            value = b"\x0a" + _enc_varint(len(tag)) + tag + b"\x12" + _enc_varint(len(tensor)) + tensor
-            self.f.write(b"\x0a" + _enc_varint(len(value)) + value)
+            content = memoryview(flat[start:start + step])
+            tensor_len = len(head) + 1 + len(_enc_varint(len(content))) + len(content)
+            value_head = b"\x0a" + _enc_varint(len(tag)) + tag + b"\x12" + _enc_varint(tensor_len)
+            value_len = len(value_head) + tensor_len
+            self.f.write(b"\x0a" + _enc_varint(value_len) + value_head + head + b"\x1a"
+                         + _enc_varint(len(content)))
+            self.f.write(content)
 
 
 class SafetensorsWriter(_AtomicFile):
@@ -324,7 +328,7 @@ class SafetensorsWriter(_AtomicFile):
         if self._next >= len(self._expect) or self._expect[self._next] != name:
             raise ValueError(f"safetensors tensors must be written in layout order; got {name!r}")
         self._next += 1
-        self.f.write(np.ascontiguousarray(array).tobytes())
+        self.f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
 
     def commit(self):
         if self._next != len(self._expect):
