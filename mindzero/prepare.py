@@ -59,6 +59,55 @@ def _refuse_unimplemented(ema, updates, optimizer_offload, comm_fusion, parallel
                                   "(stage 3 works for any Cell) and not supported; pass None")
 
 
+def _digits(text: str, n: int) -> list:
+    """``n`` 24-bit pieces of a hex digest (exact in float32, the dtype every backend all-gathers)."""
+    return [float(int(text[6 * i:6 * i + 6], 16)) for i in range(n)]
+
+
+_AGREE_GATHER = {}
+
+
+def check_same_plan(plan: PartitionPlan, world: World, stage: int) -> None:
+    """Fail with a message naming the first difference unless every rank built the same plan and stage.
+
+    Communication: one all-gather of 5 numbers per rank; on a mismatch, one more of one number per
+    parameter to locate it. Ranks that disagree would otherwise deadlock in mismatched collectives.
+
+    Raises:
+        ValueError: naming this rank, the differing rank and the first differing parameter.
+    """
+    if world.group_size == 1:
+        return
+    import hashlib
+
+    import numpy as np
+    from mindspore import Tensor
+
+    from .comm import AllGather
+
+    gather = _AGREE_GATHER.setdefault((world.group_size, world.group), AllGather(world))
+    mine = [float(len(plan)), float(stage)] + _digits(plan.fingerprint(), 3)
+    rows = gather(Tensor(np.array(mine, np.float32))).asnumpy().reshape(world.group_size, -1)
+    bad = [r for r in range(world.group_size) if not np.array_equal(rows[r], rows[0])]
+    if not bad:
+        return
+    other = bad[0]
+    if rows[other][1] != rows[0][1]:
+        raise ValueError(f"rank {world.rank}: zero_stage differs across ranks (rank 0: {int(rows[0][1])}, "
+                         f"rank {other}: {int(rows[other][1])}); every rank must prepare the same stage")
+    if rows[other][0] != rows[0][0]:
+        raise ValueError(f"rank {world.rank}: the networks differ across ranks: rank 0 has {int(rows[0][0])} "
+                         f"parameters, rank {other} has {int(rows[other][0])}; this rank has {len(plan)}")
+    per = [_digits(hashlib.sha256(repr((s.name, s.shape, s.dtype, s.sharded)).encode()).hexdigest(), 1)[0]
+           for s in plan]
+    table = AllGather(world)(Tensor(np.array(per, np.float32))).asnumpy().reshape(world.group_size, -1)
+    index = int(np.argmax(table[other] != table[0]))
+    spec = plan.specs[index]
+    raise ValueError(f"rank {world.rank}: the networks differ across ranks at parameter #{index}: on this rank "
+                     f"{spec.name!r} {spec.shape} {spec.dtype}, and rank {other} differs from rank 0 there; "
+                     "every rank must build the same network and optimizer")
+
+
 def build_plan(network, optimizer, world: World) -> PartitionPlan:
     """The partition plan of ``network``'s parameters for this rank, in ``network.get_parameters()`` order."""
     optimized = {id(p) for p in optimizer.parameters}
@@ -109,6 +158,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
     check_optimizer(optimizer, network_params, policy.shard_optimizer_states)
     scale_param, manager = _scale_sense(scale_sense)
     plan = build_plan(network, optimizer, world)
+    check_same_plan(plan, world, config.zero_stage)
     specs = {s.name: s for s in plan}
     opt_params = list(optimizer.parameters)
     opt_specs = [specs[p.name] for p in opt_params]

@@ -58,6 +58,14 @@ def test_collectives(run):
         assert c == dict(reduce_scatter_ok=True, all_gather_ok=True, any_rank_last=True, any_rank_none=False), (r, c)
 
 
+def test_plan_mismatch_fails_on_every_rank(run):
+    n, out = run
+    for r in range(n):
+        message = (out / f"rank_{r}" / "plan_mismatch.txt").read_text()
+        assert f"rank {r}: the networks differ across ranks at parameter #" in message, (r, message)
+        assert "'proj' (15, " in message and f"rank {n - 1} differs from rank 0" in message, (r, message)
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_stage0_equals_plain_data_parallel(run, model):
     n, out = run

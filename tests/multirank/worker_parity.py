@@ -119,6 +119,22 @@ def check_collectives(world, out_dir):
     (out_dir / "collectives.json").write_text(json.dumps(result))
 
 
+def check_plan_mismatch(world, out_dir):
+    """The last rank builds a network with one parameter reshaped: prepare must fail on every rank
+    with a message naming the parameter, instead of deadlocking."""
+    from mindspore import Parameter
+
+    net = build("awkward")
+    if world.rank == world.group_size - 1:
+        net.proj = Parameter(Tensor(np.zeros((15, 18), np.float32)), name="proj")
+    try:
+        mindzero.prepare_train_network(net, nn.Adam(net.trainable_params()), zero_stage=3)
+        message = ""
+    except ValueError as err:
+        message = str(err)
+    (out_dir / "plan_mismatch.txt").write_text(message)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -132,6 +148,7 @@ def main():
     out_dir = Path(args.out) / f"rank_{world.rank}"
     out_dir.mkdir(parents=True, exist_ok=True)
     check_collectives(world, out_dir)
+    check_plan_mismatch(world, out_dir)
     memory = {}
     for scn in scenarios():
         if args.only and not scn["name"].startswith(tuple(args.only.split(","))):
