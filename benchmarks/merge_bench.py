@@ -9,7 +9,6 @@ Prints a markdown table and writes ``results.json``.
 """
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys

@@ -164,29 +164,60 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
     opt_specs = [specs[p.name] for p in opt_params]
     sharded = [s.sharded and policy.shard_optimizer_states for s in opt_specs]
 
-    weights, optimizer_targets, gathers, full_params, masters = opt_params, opt_params, [], [], []
+    weights, gathers, full_params, masters, state_attrs = _shard_state(network, optimizer, opt_params, opt_specs,
+                                                                       sharded, specs, policy, world)
+    micro, boundary, norm_slicers, buffers = _gradient_path(opt_params, opt_specs, sharded, policy, config, world)
+    train_net = ZeroTrainOneStepCell(network, optimizer, weights, micro, boundary, norm_slicers,
+                                     [s.sharded for s in opt_specs], gathers, full_params, masters, buffers,
+                                     scale_param, manager, config, world)
+    train_net.zero_info = ZeroInfo(config, world, plan, tuple(state_attrs), tuple(masters), tuple(full_params),
+                                   tuple(buffers), tuple(p.name for p in opt_params))
+    if verbose and world.rank == 0:
+        logger.warning("mindzero: zero_stage=%d, group size %d\n%s", config.zero_stage, world.group_size,
+                       plan.summary())
+    return train_net
+
+
+def _shard_state(network, optimizer, opt_params, opt_specs, sharded, specs, policy, world):
+    """Stage 3: network parameters become shards; stages 1-2: master shards plus the all-gather that writes
+    them back; stages 1-3: the optimizer is re-pointed at shards.
+
+    Returns:
+        ``(weights, gathers, full_params, master_shards, state_attrs)``: what gradients are taken w.r.t.
+        (optimizer order), the stage 1-2 gathers with their full parameters and master shards, and the
+        optimizer's state-tuple attribute names.
+    """
+    weights, targets, gathers, full_params, masters = opt_params, opt_params, [], [], []
     if policy.shard_parameters:
         check_pynative_recompute(network, specs)
         shards = shard_network_parameters(network, specs, world)
-        weights = [shards[p.name] if flag else p for p, flag in zip(opt_params, sharded)]
-        optimizer_targets = weights
+        weights = targets = [shards[p.name] if flag else p for p, flag in zip(opt_params, sharded)]
     elif policy.shard_optimizer_states:
-        optimizer_targets = []
+        targets = []
         for p, spec, flag in zip(opt_params, opt_specs, sharded):
             if not flag:
-                optimizer_targets.append(p)
+                targets.append(p)
                 continue
             master = make_shard(p, spec, "zero_master." + p.name)
-            optimizer_targets.append(master)
+            targets.append(master)
             masters.append(master)
             full_params.append(p)
             gathers.append(GatherInto(p, spec.numel, world))
     if policy.shard_optimizer_states:
-        state_attrs = shard_optimizer(optimizer, opt_specs, optimizer_targets)
+        state_attrs = shard_optimizer(optimizer, opt_specs, targets)
     else:
         state_attrs = tuple(state_tuples(optimizer))
+    return weights, gathers, full_params, masters, state_attrs
 
-    micro, boundary, buffers, norm_slicers = [], [], [], []
+
+def _gradient_path(opt_params, opt_specs, sharded, policy, config, world):
+    """Per optimizer parameter: the micro-step and boundary reductions, the slice this rank adds to the
+    global norm, and (with accumulation) the buffer: full at stages 0-1, a shard from stage 2.
+
+    Returns:
+        ``(micro_reducers, boundary_reducers, norm_slicers, accum_buffers)``.
+    """
+    micro, boundary, norm_slicers, buffers = [], [], [], []
     for p, spec, flag in zip(opt_params, opt_specs, sharded):
         # at clip time a plan-sharded gradient is a shard from stage 1 on, full at stage 0
         norm_slicers.append(OwnSlice(spec.padding, world) if spec.sharded and not flag else Identity())
@@ -203,20 +234,9 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
             micro.append(Identity())
             boundary.append(MeanAllReduce(world))
         if config.gradient_accumulation_steps > 1:
-            local = spec.shard_size if (flag and policy.shard_gradients) else spec.numel
-            shape = (local,) if (flag and policy.shard_gradients) else tuple(p.shape)
-            buffers.append(Parameter(ops.zeros(shape, p.dtype),
-                                     name="zero_accum." + p.name, requires_grad=False))
-
-    train_net = ZeroTrainOneStepCell(network, optimizer, weights, micro, boundary, norm_slicers,
-                                     [s.sharded for s in opt_specs], gathers, full_params, masters, buffers,
-                                     scale_param, manager, config, world)
-    train_net.zero_info = ZeroInfo(config, world, plan, tuple(state_attrs), tuple(masters), tuple(full_params),
-                                   tuple(buffers), tuple(p.name for p in opt_params))
-    if verbose and world.rank == 0:
-        logger.warning("mindzero: zero_stage=%d, group size %d\n%s", config.zero_stage, world.group_size,
-                       plan.summary())
-    return train_net
+            shape = (spec.shard_size,) if (flag and policy.shard_gradients) else tuple(p.shape)
+            buffers.append(Parameter(ops.zeros(shape, p.dtype), name="zero_accum." + p.name, requires_grad=False))
+    return micro, boundary, norm_slicers, buffers
 
 
 class ZeroInfo:

@@ -27,7 +27,6 @@ Returns ``(loss, overflow, loss_scale)`` like ``nn.TrainOneStepWithLossScaleCell
 """
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 

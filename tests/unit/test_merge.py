@@ -1,14 +1,12 @@
 """Merge and reshard on synthetic shards, pure Python (no MindSpore): the split-info schema alone rebuilds
 every tensor; bad input gets a clear error and nothing is written."""
 import json
-import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from mindzero import merge
 from mindzero.ckpt_io import CkptReader, open_reader, open_writer
 from mindzero.merge import MergeError, merge_checkpoint, reshard_checkpoint
 from mindzero.plan import REASON_NOT_OPTIMIZED, ParamInfo, PartitionPlan
@@ -166,7 +164,6 @@ def test_existing_output_is_refused_and_kept(tmp_path):
 
 def test_cli_errors_and_summary(tmp_path):
     ck = _bad(tmp_path, lambda d: None)
-    run = [sys.executable, "-m", "mindzero.merge"]
     ok = subprocess.run([sys.executable, "-c", "import sys; from mindzero.merge import main_merge; "
                          f"sys.exit(main_merge(['{ck}', '-o', '{tmp_path / 'o.ckpt'}']))"],
                         capture_output=True, text=True)
@@ -175,4 +172,3 @@ def test_cli_errors_and_summary(tmp_path):
                           f"sys.exit(main_merge(['{ck}', '-o', '{tmp_path / 'o.ckpt'}']))"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "exists; pass force=True" in bad.stderr, bad
-    del run
