@@ -9,7 +9,6 @@ Used by the tests and the README's main command.
 """
 import argparse
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill msrun and every process it started: its workers run in sessions of their own,
+    so killing msrun's process group alone leaves them behind."""
+    import psutil  # a MindSpore dependency
+
+    try:
+        procs = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
 
 
 def _tail(path: Path, lines: int = 60) -> str:
@@ -59,12 +75,14 @@ def msrun(script, world_size: int, out_dir, args=(), timeout: float = 900.0) -> 
         launcher_out, _ = proc.communicate(timeout=timeout)
         timed_out = False
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc.pid)
         launcher_out, _ = proc.communicate()
         timed_out = True
     missing = [r for r in range(world_size) if not (out_dir / f"rank_{r}.done").exists()]
     if timed_out or proc.returncode != 0 or missing:
-        bad = missing[0] if missing else 0
+        logs = {r: log_dir / f"worker_{r}.log" for r in range(world_size)}
+        raised = [r for r, p in logs.items() if p.exists() and "Traceback" in p.read_text(errors="replace")]
+        bad = (raised or missing or [0])[0]  # the rank that raised, not a bystander waiting for it
         why = (f"timed out after {timeout:.0f}s" if timed_out else f"exit status {proc.returncode}")
         raise AssertionError(
             f"msrun {Path(script).name} on {world_size} ranks failed ({why}; ranks without results: {missing}).\n"

@@ -1,0 +1,31 @@
+"""The launcher never waits forever, and a failing rank fails the launch with that rank's log."""
+import time
+from pathlib import Path
+
+import pytest
+
+from mindzero.local_launch import free_port, msrun
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_free_ports_differ():
+    assert len({free_port() for _ in range(5)}) >= 4
+
+
+def test_failing_rank_shows_its_log(tmp_path):
+    with pytest.raises(AssertionError) as err:
+        msrun(HERE / "worker_fail.py", 2, tmp_path, ["--mode", "raise"], timeout=300)
+    text = str(err.value)
+    assert "log tail of rank 1" in text and "deliberate failure on the last rank" in text, text
+
+
+def test_hanging_rank_is_killed_at_the_timeout(tmp_path):
+    import psutil
+
+    start = time.time()
+    with pytest.raises(AssertionError, match=r"timed out after 30s; ranks without results: \[1\]"):
+        msrun(HERE / "worker_fail.py", 2, tmp_path, ["--mode", "hang"], timeout=30)
+    assert time.time() - start < 90
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert left == [], f"processes left behind: {left}"
