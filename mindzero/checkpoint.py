@@ -27,12 +27,11 @@ import numpy as np
 from mindspore import Tensor, nn
 
 from .ckpt_io import MS_TO_NAME, open_reader
-from .comm import AllReduceSum
+from .comm import AllReduceSum, shared_cell
 from .plan import REASON_NOT_OPTIMIZED
 from .shard import GatherFull, shard_array
-from .split_info import FORMATS, SplitInfo, TensorEntry, placement, split_info_name, write_atomic
-
-COMPLETE = "COMPLETE"
+from .train_step import map_cells
+from .split_info import COMPLETE, FORMATS, SplitInfo, TensorEntry, placement, split_info_name, write_atomic
 
 
 class CheckpointError(ValueError):
@@ -77,13 +76,8 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
 class _Barrier:
     """All ranks wait here; also agrees on a value chosen by rank 0 (a SUM in which the others add 0)."""
 
-    _cells = {}
-
     def __init__(self, world):
-        key = (world.group_size, world.group)
-        if key not in self._cells:
-            self._cells[key] = AllReduceSum(world)
-        self.cell, self.rank = self._cells[key], world.rank
+        self.cell, self.rank = shared_cell(AllReduceSum, world), world.rank
 
     def __call__(self, values=(0.0,)):
         x = np.array(values, np.float32) if self.rank == 0 else np.zeros(len(values), np.float32)
@@ -215,10 +209,7 @@ class _GatherAll(nn.Cell):
         self.gathers = nn.CellList(gathers)
 
     def construct(self, *shards):
-        out = ()
-        for i in range(len(shards)):
-            out = out + (self.gathers[i](shards[i]),)
-        return out
+        return map_cells(self.gathers, shards)
 
 
 def gather_full_state_dict(train_net) -> dict:

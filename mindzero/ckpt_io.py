@@ -244,9 +244,6 @@ class SafetensorsReader:
             raw = f.read(end - begin)
         return np.frombuffer(raw, dtype=np_dtype(dtype)).reshape(shape).copy()
 
-    def close(self):
-        pass
-
 
 def open_reader(path):
     """A reader for ``path`` by its suffix (``.ckpt`` or ``.safetensors``)."""

@@ -158,6 +158,18 @@ class AnyRank(nn.Cell):
         return count[0] > 0
 
 
+_SHARED = {}
+
+
+def shared_cell(cls, world: World):
+    """One ``cls(world)`` per process and group, reused by host-side helpers (barriers, plan checks) so
+    each compiles once."""
+    key = (cls, world.group_size, world.group)
+    if key not in _SHARED:
+        _SHARED[key] = cls(world)
+    return _SHARED[key]
+
+
 def comm_volume(numels_gathered: int, numels_reduce_scattered: int, numels_all_reduced: int,
                 itemsize: int, world: World) -> dict:
     """Bytes one rank sends per step, by collective, for the ring algorithms (``(N-1)/N`` factors).

@@ -23,10 +23,8 @@ import numpy as np
 
 from .ckpt_io import CheckpointFileError, np_dtype, open_reader, open_writer
 from .plan import REASON_NOT_OPTIMIZED, REASON_USER, ParamInfo, PartitionPlan
-from .split_info import (FORMATS, SplitInfo, SplitInfoError, TensorEntry, placement, read_all, split_info_name,
-                         write_atomic)
-
-COMPLETE = "COMPLETE"
+from .split_info import (COMPLETE, FORMATS, SplitInfo, SplitInfoError, TensorEntry, placement, read_all,
+                         split_info_name, write_atomic)
 
 
 class MergeError(ValueError):

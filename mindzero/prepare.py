@@ -64,9 +64,6 @@ def _digits(text: str, n: int) -> list:
     return [float(int(text[6 * i:6 * i + 6], 16)) for i in range(n)]
 
 
-_AGREE_GATHER = {}
-
-
 def check_same_plan(plan: PartitionPlan, world: World, stage: int) -> None:
     """Fail with a message naming the first difference unless every rank built the same plan and stage.
 
@@ -83,9 +80,9 @@ def check_same_plan(plan: PartitionPlan, world: World, stage: int) -> None:
     import numpy as np
     from mindspore import Tensor
 
-    from .comm import AllGather
+    from .comm import AllGather, shared_cell
 
-    gather = _AGREE_GATHER.setdefault((world.group_size, world.group), AllGather(world))
+    gather = shared_cell(AllGather, world)
     mine = [float(len(plan)), float(stage)] + _digits(plan.fingerprint(), 3)
     rows = gather(Tensor(np.array(mine, np.float32))).asnumpy().reshape(world.group_size, -1)
     bad = [r for r in range(world.group_size) if not np.array_equal(rows[r], rows[0])]

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 FORMAT_VERSION = 1
+COMPLETE = "COMPLETE"  # the marker file written last into a finished checkpoint directory
 KINDS = ("parameter", "optimizer_state", "scalar")
 FORMATS = ("ckpt", "safetensors")
 

@@ -96,7 +96,8 @@ class GatherInto(nn.Cell):
         return ops.assign(full_param, ops.cast(value, full_param.dtype))
 
 
-def _map_cells(cells, values):
+def map_cells(cells, values):
+    """Graph-mode map: ``(cells[0](values[0]), cells[1](values[1]), ...)``."""
     out = ()
     for i in range(len(values)):
         out = out + (cells[i](values[i]),)
@@ -149,7 +150,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         loss = self.network(*inputs)
         sens = ops.fill(loss.dtype, loss.shape, ops.cast(scale, loss.dtype))
         grads = self.grad(self.network, self.weights)(*inputs, sens)
-        grads = _map_cells(self.micro_reducers, grads)
+        grads = map_cells(self.micro_reducers, grads)
         if self.accum_steps == 1:
             overflow = self._apply(grads, scale)
         else:
@@ -174,7 +175,7 @@ class ZeroTrainOneStepCell(nn.Cell):
             ops.assign(buf, ops.depend(ops.zeros_like(buf), after))
 
     def _apply(self, grads, scale):
-        grads = _map_cells(self.boundary_reducers, grads)
+        grads = map_cells(self.boundary_reducers, grads)
         inv = ops.reciprocal(ops.cast(scale, ms.float32) * self.accum_steps)
         grads = tuple(g * ops.cast(inv, g.dtype) for g in grads)
         overflow = self.any_rank(ops.logical_not(self._all_finite(grads)))
