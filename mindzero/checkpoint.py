@@ -31,7 +31,7 @@ from .comm import AllReduceSum, shared_cell
 from .plan import REASON_NOT_OPTIMIZED
 from .shard import GatherFull, shard_array
 from .train_step import map_cells
-from .split_info import COMPLETE, FORMATS, SplitInfo, TensorEntry, placement, split_info_name, write_atomic
+from .split_info import COMPLETE, FORMATS, SplitInfo, entry_at, split_info_name, write_atomic
 
 
 class CheckpointError(ValueError):
@@ -48,12 +48,9 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
 
     def add(name, kind, param_name, p, per_rank=False):
         spec = info.plan[param_name] if param_name else None
-        sharded, file = placement(kind, stage, bool(spec and spec.sharded), per_rank, rank, fmt)
-        shape = tuple(spec.shape) if spec else tuple(p.shape)
-        entry = TensorEntry(name, kind, param_name, shape, MS_TO_NAME[str(p.dtype)], sharded,
-                            spec.reason if spec else "", spec.shard_size if sharded else int(np.prod(shape)),
-                            spec.padding if sharded else 0, spec.offset if sharded else 0, file, name)
-        out.append((entry, p))
+        shape = spec.shape if spec else p.shape
+        out.append((entry_at(name, kind, param_name, shape, MS_TO_NAME[str(p.dtype)], spec, per_rank, stage, rank,
+                             fmt), p))
 
     net_params = {p.name: p for p in train_net.network.get_parameters()}
     for spec in info.plan:

@@ -282,9 +282,6 @@ class _AtomicFile:
 class CkptWriter(_AtomicFile):
     """Append tensors one at a time to a MindSpore ``.ckpt`` file (atomic: temporary name, then rename)."""
 
-    def __init__(self, path, layout=None):
-        super().__init__(path)
-
     def write(self, name: str, array: np.ndarray, dtype: str) -> None:
         """Append ``array``; the header bytes are built, the data is written from the array's own buffer."""
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
@@ -335,4 +332,4 @@ class SafetensorsWriter(_AtomicFile):
 
 def open_writer(path, fmt: str, layout):
     """A writer for ``fmt`` (``"ckpt"`` or ``"safetensors"``); ``layout`` is ``[(name, dtype, shape)]``."""
-    return SafetensorsWriter(path, layout) if fmt == "safetensors" else CkptWriter(path, layout)
+    return SafetensorsWriter(path, layout) if fmt == "safetensors" else CkptWriter(path)

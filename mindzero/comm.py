@@ -79,6 +79,14 @@ def resolve_group(group, argument: str, world: World) -> None:
                               f"implemented; pass None or the world group {world.group!r}")
 
 
+def own_shard(flat, padding: int, rank: int, group_size: int):
+    """Graph-mode: ``flat`` zero-padded by ``padding``, then rank ``rank``'s contiguous 1/``group_size``."""
+    if padding:
+        flat = ops.concat((flat, ops.zeros((padding,), flat.dtype)))
+    size = flat.shape[0] // group_size
+    return flat[rank * size:(rank + 1) * size]
+
+
 class AllGather(nn.Cell):
     """Concatenate every rank's 1D shard along dim 0: ``(shard_size,) -> (group_size * shard_size,)``."""
 
@@ -131,19 +139,12 @@ class ReduceScatterSum(nn.Cell):
         else:
             self.op = ops.ReduceScatter(ops.ReduceOp.SUM, world.group)
 
-    def _pad(self, x):
-        if self.padding:
-            x = ops.concat((x, ops.zeros((self.padding,), x.dtype)))
-        return x
-
     def construct(self, x):
         if self.identity:
-            return self._pad(x)
+            return own_shard(x, self.padding, 0, 1)
         if self.emulated:
-            full = self._pad(self.op(x))
-            size = full.shape[0] // self.group_size
-            return full[self.rank * size:(self.rank + 1) * size]
-        return self.op(self._pad(x))
+            return own_shard(self.op(x), self.padding, self.rank, self.group_size)
+        return self.op(own_shard(x, self.padding, 0, 1))
 
 
 class AnyRank(nn.Cell):
@@ -168,22 +169,3 @@ def shared_cell(cls, world: World):
     if key not in _SHARED:
         _SHARED[key] = cls(world)
     return _SHARED[key]
-
-
-def comm_volume(numels_gathered: int, numels_reduce_scattered: int, numels_all_reduced: int,
-                itemsize: int, world: World) -> dict:
-    """Bytes one rank sends per step, by collective, for the ring algorithms (``(N-1)/N`` factors).
-
-    The CPU reduce-scatter emulation is an all-reduce, so it moves ``2 (N-1)/N`` of
-    the tensor instead of ``(N-1)/N``; the ``emulation_extra`` entry states that.
-    """
-    n = world.group_size
-    frac = (n - 1) / n if n > 1 else 0.0
-    rs_factor = 2 * frac if world.emulated_reduce_scatter else frac
-    out = {
-        "all_gather": int(numels_gathered * itemsize * frac),
-        "reduce_scatter": int(numels_reduce_scattered * itemsize * rs_factor),
-        "all_reduce": int(numels_all_reduced * itemsize * 2 * frac),
-    }
-    out["emulation_extra"] = int(numels_reduce_scattered * itemsize * frac) if world.emulated_reduce_scatter else 0
-    return out

@@ -23,7 +23,7 @@ import numpy as np
 
 from .ckpt_io import CheckpointFileError, np_dtype, open_reader, open_writer
 from .plan import REASON_NOT_OPTIMIZED, REASON_USER, ParamInfo, PartitionPlan
-from .split_info import (COMPLETE, FORMATS, SplitInfo, SplitInfoError, TensorEntry, placement, read_all,
+from .split_info import (COMPLETE, FORMATS, SplitInfo, SplitInfoError, TensorEntry, entry_at, read_all,
                          split_info_name, write_atomic)
 
 
@@ -161,10 +161,7 @@ def _resharded_infos(src: Source, world_size: int, stage: int, fmt: str, run_id:
         for t in src.ref.tensors:
             spec = specs[t.param].for_rank(rank) if t.param else None
             per_rank = t.kind == "parameter" and spec.reason == REASON_NOT_OPTIMIZED
-            sharded, file = placement(t.kind, stage, bool(spec and spec.sharded), per_rank, rank, fmt)
-            entries.append(TensorEntry(t.name, t.kind, t.param, t.shape, t.dtype, sharded,
-                                       spec.reason if spec else "", spec.shard_size if sharded else t.numel,
-                                       spec.padding if sharded else 0, spec.offset if sharded else 0, file, t.name))
+            entries.append(entry_at(t.name, t.kind, t.param, t.shape, t.dtype, spec, per_rank, stage, rank, fmt))
         out.append(SplitInfo(run_id, stage, world_size, rank, src.ref.step, fmt, plan.fingerprint(), tuple(entries)))
     return out
 

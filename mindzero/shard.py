@@ -163,9 +163,5 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World) -> dic
     return shards
 
 
-def is_stage3_cell(cell: nn.Cell) -> bool:
-    return "_mindzero_owner" in type(cell).__dict__
-
-
 def tensor_nbytes(t) -> int:
     return int(t.nbytes)

@@ -150,6 +150,17 @@ def placement(kind: str, stage: int, plan_sharded: bool, per_rank: bool, rank: i
     return False, f"rank_0.{fmt}"
 
 
+def entry_at(name: str, kind: str, param: str, shape, dtype: str, spec, per_rank: bool, stage: int, rank: int,
+             fmt: str) -> TensorEntry:
+    """The :class:`TensorEntry` of one tensor placed by :func:`placement`; ``spec`` is its parameter's
+    :class:`mindzero.plan.ShardSpec` for ``rank`` (``None`` for scalars)."""
+    sharded, file = placement(kind, stage, bool(spec and spec.sharded), per_rank, rank, fmt)
+    shape = tuple(shape)
+    return TensorEntry(name, kind, param, shape, dtype, sharded, spec.reason if spec else "",
+                       spec.shard_size if sharded else math.prod(shape), spec.padding if sharded else 0,
+                       spec.offset if sharded else 0, file, name)
+
+
 def split_info_name(rank: int) -> str:
     return f"params_split_info_{rank}.json"
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from .comm import AllGather, AllReduceSum, AnyRank, ReduceScatterSum, World
+from .comm import AllGather, AllReduceSum, AnyRank, ReduceScatterSum, World, own_shard
 
 
 class Identity(nn.Cell):
@@ -75,11 +75,7 @@ class OwnSlice(nn.Cell):
         self.group_size = world.group_size
 
     def construct(self, grad):
-        flat = grad.reshape((-1,))
-        if self.padding:
-            flat = ops.concat((flat, ops.zeros((self.padding,), flat.dtype)))
-        size = flat.shape[0] // self.group_size
-        return flat[self.rank * size:(self.rank + 1) * size]
+        return own_shard(grad.reshape((-1,)), self.padding, self.rank, self.group_size)
 
 
 class GatherInto(nn.Cell):
@@ -142,7 +138,6 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.clip_norm = float(config.clip_norm)
         self.any_rank = AnyRank(world)
         self.sum_over_group = AllReduceSum(world)
-        self.group_size = world.group_size
         self.set_train(True)
 
     def construct(self, *inputs):

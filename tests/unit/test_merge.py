@@ -10,7 +10,7 @@ import pytest
 from mindzero.ckpt_io import CkptReader, open_reader, open_writer
 from mindzero.merge import MergeError, merge_checkpoint, reshard_checkpoint
 from mindzero.plan import REASON_NOT_OPTIMIZED, ParamInfo, PartitionPlan
-from mindzero.split_info import FORMAT_VERSION, SplitInfo, TensorEntry, placement, split_info_name
+from mindzero.split_info import FORMAT_VERSION, SplitInfo, entry_at, split_info_name
 
 SHAPES = {"a.weight": (7, 15), "b.weight": (17, 257), "c": (), "bn.moving_mean": (6,)}
 
@@ -38,15 +38,14 @@ def write_synthetic(directory, n, stage, fmt="ckpt", seed=0, per_rank_offset=100
             param = "" if kind == "scalar" else name.replace("adam_m.", "")
             spec = plan[param].for_rank(r) if param else None
             per_rank = kind == "parameter" and spec.reason == REASON_NOT_OPTIMIZED
-            sharded, file = placement(kind, stage, bool(spec and spec.sharded), per_rank, r, fmt)
+            entry = entry_at(name, kind, param, value.shape, str(value.dtype), spec, per_rank, stage, r, fmt)
             piece = value + per_rank_offset * r if per_rank else value
-            if sharded:
+            if entry.sharded:
                 flat = np.zeros(spec.shard_size, np.float32)
                 flat[:spec.valid] = value.reshape(-1)[spec.offset:spec.offset + spec.valid]
                 piece = flat
-            entries.append(TensorEntry(name, kind, param, value.shape, str(value.dtype), sharded,
-                                       spec.reason if spec else "", spec.shard_size if sharded else value.size,
-                                       spec.padding if sharded else 0, spec.offset if sharded else 0, file, name))
+            entries.append(entry)
+            file = entry.file
             if file == f"rank_{r}.{fmt}" or r == 0:
                 files.setdefault(file, {})[name] = piece
         SplitInfo("run-x", stage, n, r, 7, fmt, plan.fingerprint(), tuple(entries)).write(
