@@ -1,0 +1,149 @@
+"""Join MindSpore's cluster from a process started by ``mpirun`` (or ``srun``).
+
+``mpirun -n N python -m mindzero.launch [--master-addr A] [--master-port P] SCRIPT [ARGS...]``
+
+MindSpore's own MPI path does not work on CPU (``init()`` fails on the device
+side), so instead every rank maps the launcher's rank and size onto MindSpore's
+dynamic-cluster variables before the script runs (and so before ``init()``):
+
+=================  ==============================================================
+``MS_ROLE``        ``MS_WORKER``
+``MS_WORKER_NUM``  the launcher's world size
+``MS_NODE_ID``     the launcher's rank (``RANK_ID`` too, as msrun sets it)
+``MS_SCHED_HOST``  ``--master-addr`` / ``$MS_SCHED_HOST`` / ``127.0.0.1``
+``MS_SCHED_PORT``  ``--master-port`` / ``$MS_SCHED_PORT`` / a port derived from the job id
+=================  ==============================================================
+
+Rank 0 also starts MindSpore's scheduler (a child process that dies with it).
+The rank and size are read from OpenMPI (``OMPI_COMM_WORLD_RANK``/``_SIZE``),
+PMI (MPICH, Intel MPI: ``PMI_RANK``/``PMI_SIZE``) or Slurm (``SLURM_PROCID``/
+``SLURM_NTASKS``). Under ``msrun`` (``MS_ROLE`` already set) the script just runs.
+
+Without ``--master-port`` every rank derives the same port from the launcher's
+job id; two jobs on one host could still pick the same one, so pass the port
+explicitly (``-x MS_SCHED_PORT=P`` or ``--master-port P``) when that matters.
+"""
+import argparse
+import atexit
+import ctypes
+import hashlib
+import os
+import runpy
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+# (rank, size, job id) variables of each launcher family, first match wins
+LAUNCHER_ENV = (
+    ("OpenMPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE")),
+    ("PMI", "PMI_RANK", "PMI_SIZE", ("PMI_JOBID", "PMIX_NAMESPACE")),
+    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", ("SLURM_JOB_ID",)),
+)
+PORT_RANGE = (20000, 40000)
+SCHEDULER_WAIT = 60.0  # seconds rank 0 waits for the scheduler to finish after its own worker ended
+
+
+def launcher_rank(env=os.environ):
+    """``(family, rank, size, job_id)`` of the launcher that started this process.
+
+    Raises:
+        RuntimeError: no known launcher variables, or values that are not a rank below a size.
+    """
+    for family, rank_var, size_var, job_vars in LAUNCHER_ENV:
+        if rank_var in env and size_var in env:
+            try:
+                rank, size = int(env[rank_var]), int(env[size_var])
+            except ValueError:
+                raise RuntimeError(f"{rank_var}={env[rank_var]!r}, {size_var}={env[size_var]!r}: "
+                                   "rank and size must be integers") from None
+            if not 0 <= rank < size:
+                raise RuntimeError(f"{rank_var}={rank} with {size_var}={size}: the rank must lie in [0, size)")
+            job = next((env[v] for v in job_vars if env.get(v)), "")
+            return family, rank, size, job
+    names = ", ".join(f"{r}/{s}" for _, r, s, _ in LAUNCHER_ENV)
+    raise RuntimeError(f"mindzero.launch: no launcher rank variables found (looked for {names}); start it "
+                       "with `mpirun -n N python -m mindzero.launch SCRIPT`, or use msrun directly")
+
+
+def job_port(job_id: str) -> int:
+    """A port every rank of one job derives alike from the job id (no communication needed)."""
+    digest = int(hashlib.sha256(job_id.encode()).hexdigest(), 16)
+    return PORT_RANGE[0] + digest % (PORT_RANGE[1] - PORT_RANGE[0])
+
+
+def cluster_env(rank: int, size: int, job_id: str, master_addr=None, master_port=None, env=os.environ):
+    """The ``MS_*`` variables that make this process worker ``rank`` of a ``size``-rank MindSpore cluster."""
+    port = master_port or env.get("MS_SCHED_PORT") or job_port(job_id)
+    port = int(port)
+    if not 0 < port < 65536:
+        raise ValueError(f"master_port={port}: must be a TCP port in (0, 65536)")
+    return {"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": str(size), "MS_NODE_ID": str(rank), "RANK_ID": str(rank),
+            "MS_SCHED_HOST": master_addr or env.get("MS_SCHED_HOST") or "127.0.0.1", "MS_SCHED_PORT": str(port)}
+
+
+def _die_with_parent():
+    """In the child: get SIGTERM when the parent (rank 0) dies, even by ``kill -9``."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def start_scheduler(env: dict, log_path: Path) -> subprocess.Popen:
+    """Start MindSpore's scheduler (``MS_ROLE=MS_SCHED``) as a child of rank 0; its output goes to ``log_path``."""
+    code = "import mindspore as ms; from mindspore.communication import init; ms.set_device('CPU'); init()"
+    sched_env = {**os.environ, **env, "MS_ROLE": "MS_SCHED"}
+    sched_env.pop("RANK_ID", None)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, "-c", code], env=sched_env, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+
+
+def run_script(script: str, args) -> None:
+    """Run ``script`` in this process as ``__main__`` with ``args`` as its command line."""
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--master-addr", help="host of rank 0, where the scheduler runs (default $MS_SCHED_HOST "
+                                          "or 127.0.0.1)")
+    ap.add_argument("--master-port", type=int, help="scheduler port (default $MS_SCHED_PORT or one derived from "
+                                                    "the launcher's job id)")
+    ap.add_argument("--log-dir", default=os.environ.get("MINDZERO_LOG_DIR", "."),
+                    help="where rank 0 writes scheduler.log (default $MINDZERO_LOG_DIR or .)")
+    ap.add_argument("script")
+    ap.add_argument("args", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    if os.environ.get("MS_ROLE"):  # started by msrun (or set up by hand): nothing to map
+        run_script(a.script, a.args)
+        return 0
+    family, rank, size, job = launcher_rank()
+    env = cluster_env(rank, size, job, a.master_addr, a.master_port)
+    os.environ.update(env)
+    scheduler = None
+    if rank == 0:
+        scheduler = start_scheduler(env, Path(a.log_dir) / "scheduler.log")
+        # registered before MindSpore is imported, so it runs after MindSpore's own exit handler
+        # has unregistered this worker (the scheduler waits for that before it ends)
+        atexit.register(_reap, scheduler)
+    try:
+        run_script(a.script, a.args)
+    except BaseException:
+        if scheduler is not None:  # the job is over: do not keep the others waiting on a scheduler
+            scheduler.kill()
+        raise
+    return 0
+
+
+def _reap(scheduler: subprocess.Popen) -> None:
+    try:
+        scheduler.wait(SCHEDULER_WAIT)
+    except subprocess.TimeoutExpired:
+        scheduler.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

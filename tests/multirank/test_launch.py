@@ -1,0 +1,63 @@
+"""Launch the way users do: msrun on two loopback "nodes", mpirun through ``mindzero.launch``,
+and a rank that dies (exception or ``kill -9``) ends the job, naming that rank, in bounded time.
+
+The parity worker runs under each launcher (mixed net: plain DP and stages 0-3, the
+collectives and the plan-mismatch check), so the launchers are checked by training results,
+not by "it started".
+"""
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from mindzero.local_launch import launch
+from test_parity import assert_same_run, load, test_collectives, test_plan_mismatch_fails_on_every_rank  # noqa: F401
+
+HERE = Path(__file__).resolve().parent
+# MindSpore's scheduler declares a silent node dead after MS_NODE_TIMEOUT s (default 30); with 10
+# the whole job must be over well within DEATH_BOUND s of the death (launch and compile included)
+NODE_TIMEOUT = 10
+DEATH_BOUND = 90
+
+LAYOUTS = {"msrun-2nodes": dict(launcher="msrun", nodes=2, n=4), "mpirun": dict(launcher="mpirun", nodes=1, n=2)}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def run(request, tmp_path_factory):
+    lay = LAYOUTS[request.param]
+    if lay["launcher"] == "mpirun" and shutil.which("mpirun") is None:
+        pytest.fail("mpirun not found: scripts/setup_env.sh installs Debian's openmpi-bin")
+    out = tmp_path_factory.mktemp(request.param)
+    launch(HERE / "worker_parity.py", lay["n"], out, ["--only", "mixed"], timeout=900, nodes=lay["nodes"],
+           launcher=lay["launcher"])
+    return lay["n"], out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_training_equals_plain_data_parallel(run, stage):
+    n, out = run
+    for r in range(n):
+        assert_same_run(load(out, r, f"mixed-{stage}"), load(out, r, "mixed-dp"), f"stage {stage} rank {r}")
+
+
+@pytest.mark.parametrize("launcher,nodes,n,victim,mode", [
+    ("msrun", 1, 2, 1, "kill"),
+    ("msrun", 2, 4, 3, "raise"),   # a rank on the second "node"
+    ("mpirun", 1, 2, 1, "kill"),
+])
+def test_dead_rank_ends_the_job_naming_it(tmp_path, launcher, nodes, n, victim, mode):
+    if launcher == "mpirun" and shutil.which("mpirun") is None:
+        pytest.fail("mpirun not found: scripts/setup_env.sh installs Debian's openmpi-bin")
+    start = time.time()
+    with pytest.raises(AssertionError) as err:
+        launch(HERE / "worker_fail.py", n, tmp_path, ["--mode", mode, "--victim", victim], timeout=600,
+               nodes=nodes, launcher=launcher, env={"MS_NODE_TIMEOUT": str(NODE_TIMEOUT)})
+    took = time.time() - start
+    text = str(err.value)
+    how = "killed by signal 9" if mode == "kill" else "exit status 1"
+    assert f"rank {victim} failed first ({how})" in text, text
+    assert "timed out" not in text.split("\n")[0], text  # ended by the launcher, not by our timeout
+    assert took < DEATH_BOUND, f"the job took {took:.0f}s to end after rank {victim} died"
+    if mode == "raise":
+        assert f"deliberate failure on rank {victim}" in text, text
