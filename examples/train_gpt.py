@@ -1,14 +1,24 @@
-"""Train a small GPT with mindzero on every ZeRO stage and report loss and bytes per rank.
+"""Train a small GPT with mindzero: YAML config, periodic checkpoints, resume, merged model, generation.
 
-Launch (2 CPU ranks; ``scripts/run_example.sh`` does this):
-    python -m mindzero.local_launch -n 2 examples/train_gpt.py --config examples/configs/stages_demo.yaml
+Launch on 2 CPU ranks (``scripts/run_example.sh`` runs the stages demo):
+    python -m mindzero.local_launch -n 2 --out runs/gpt_stage2 examples/train_gpt.py \\
+        --config examples/configs/gpt_stage2.yaml
+or with msrun / mpirun directly (see docs/launch.md):
+    msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --log_dir=logs --join=True \\
+        examples/train_gpt.py --config examples/configs/gpt_stage2.yaml --out runs/gpt_stage2
 
-Each stage starts from the same initial weights and sees the same data, so
-their losses must agree (plain data parallel semantics); rank 0 prints a table
-of the loss and of the bytes every rank holds (``mindzero.memory_report``).
+``zero.stage`` may be a list: the stages then run one after the other in one launch, from
+the same initial weights on the same data, and rank 0 prints a table comparing them.
+Every stage writes into ``OUT/stage_<s>/``: ``checkpoints/step_<n>`` (mindzero checkpoints,
+the newest ``train.keep_checkpoints`` kept), ``history.json`` (losses), ``loss.png``,
+``final_model.ckpt`` (merged, loads into the plain network) and ``samples.txt``.
+Started again with the same ``--out``, a stage resumes from its newest complete
+checkpoint (``--no-resume`` refuses to and starts over in a fresh ``--out``).
 """
 import argparse
 import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -21,13 +31,30 @@ from mindspore.communication import init
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mindzero  # noqa: E402
+from mindzero.checkpoint import COMPLETE  # noqa: E402
 from mindzero.comm import AllGather, current_world  # noqa: E402
-from gpt import GPT, CharTokenizer, LMLoss, batches, init_params, make_corpus  # noqa: E402
+from mindzero.merge import merge_checkpoint  # noqa: E402
+from gpt import GPT, CharTokenizer, LMLoss, batches, generate, init_params, make_corpus  # noqa: E402
 
 KINDS = ("parameters", "gradients", "optimizer_states")
+DEFAULTS = {"train": {"log_every": 10, "save_every": 0, "keep_checkpoints": 2, "clip_grad": True, "clip_norm": 1.0,
+                      "gradient_accumulation_steps": 1, "weight_decay": 0.0},
+            "generate": {"prompt": "the cat ", "tokens": 60}}
 
 
-def train_stage(stage, cfg, ids, vocab, world):
+def load_config(path, stage_override=None) -> dict:
+    cfg = yaml.safe_load(Path(path).read_text())
+    for section, values in DEFAULTS.items():
+        cfg[section] = {**values, **cfg.get(section, {})}
+    stages = cfg.get("zero", {}).get("stage", 2) if stage_override is None else stage_override
+    cfg["stages"] = [int(s) for s in (stages if isinstance(stages, list) else [stages])]
+    bad = [s for s in cfg["stages"] if s not in (0, 1, 2, 3)]
+    if bad:
+        raise ValueError(f"{path}: zero.stage={stages!r}: every stage must be 0, 1, 2 or 3")
+    return cfg
+
+
+def build(cfg, vocab, stage, verbose):
     m, t = cfg["model"], cfg["train"]
     gpt = GPT(vocab, m["dim"], m["layers"], m["heads"], m["seq"], m["tied"])
     init_params(gpt)
@@ -40,79 +67,193 @@ def train_stage(stage, cfg, ids, vocab, world):
     train = mindzero.prepare_train_network(net, opt, zero_stage=stage, clip_grad=t["clip_grad"],
                                            clip_norm=t["clip_norm"],
                                            gradient_accumulation_steps=t["gradient_accumulation_steps"],
-                                           verbose=stage == t["stages"][0])
-    data = batches(ids, t["batch"], m["seq"], world.rank, world.group_size, seed=1)
-    k = t["gradient_accumulation_steps"]
-    losses, start, tokens = [], None, 0
-    for step in range(t["steps"]):
+                                           verbose=verbose)
+    return train
+
+
+def latest_checkpoint(ckpt_root: Path):
+    """The newest complete checkpoint under ``ckpt_root`` (``.partial`` leftovers of a crash are skipped)."""
+    done = sorted(p for p in ckpt_root.glob("step_*") if (p / COMPLETE).is_file() and p.suffix != ".partial")
+    return done[-1] if done else None
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def mib(x) -> str:
+    return f"{x / 2**20:.3f}"
+
+
+def run_stage(stage, cfg, ids, tok, world, out: Path, resume: bool, stop_after: int, log):
+    t, g = cfg["train"], cfg["generate"]
+    k, steps = t["gradient_accumulation_steps"], t["steps"]
+    run_dir = out / f"stage_{stage}"
+    ckpt_root = run_dir / "checkpoints"
+    train = build(cfg, tok.vocab_size, stage, verbose=world.rank == 0)
+    plan = mindzero.memory_report(train)["expected"]
+    log(f"stage {stage}: {world.group_size} ranks, op group {world.group_size}, 1 data-parallel replica; "
+        f"memory plan per rank (MiB): parameters {mib(plan['parameters'])}, gradients {mib(plan['gradients'])}, "
+        f"optimizer states {mib(plan['optimizer_states'])}")
+    start_step, history = 0, []
+    latest = latest_checkpoint(ckpt_root) if resume else None
+    if latest is not None:
+        start_step = mindzero.load_checkpoint(train, latest).step
+        hist_file = run_dir / "history.json"
+        if hist_file.exists():
+            history = [h for h in json.loads(hist_file.read_text()) if h["step"] <= start_step]
+        log(f"stage {stage}: resumed from {latest} at step {start_step}")
+    elif ckpt_root.exists() and any(ckpt_root.iterdir()):  # every rank sees it: all fail, none hangs
+        raise FileExistsError(f"--out {out}: {ckpt_root} already holds checkpoints and --no-resume was given; "
+                              "use a fresh --out")
+    data = batches(ids, t["batch"], cfg["model"]["seq"], world.rank, world.group_size, seed=1)
+    for _ in range(start_step * k):  # the data position of the resumed step
+        next(data)
+    tick, tokens, last_saved = None, 0, start_step
+    for step in range(start_step, steps):
         micro = []
         for _ in range(k):
             x, y = next(data)
             loss, overflow, scale = train(Tensor(x), Tensor(y))
             micro.append(float(loss.asnumpy()))
-            tokens += x.size
-        losses.append(float(np.mean(micro)))
-        if step == 0:
-            start, tokens = time.time(), 0  # exclude compilation
-        if world.rank == 0 and (step + 1) % t["log_every"] == 0:
-            rate = tokens * world.group_size / max(time.time() - start, 1e-9)
-            print(f"stage {stage} step {step + 1:4d} loss {losses[-1]:.4f} scale {float(scale.asnumpy()):g} "
-                  f"overflow {bool(overflow.asnumpy())} tokens/s {rate:,.0f}", flush=True)
+            tokens += x.size * world.group_size
+        history.append({"step": step + 1, "loss": float(np.mean(micro)), "scale": float(scale.asnumpy()),
+                        "overflow": bool(overflow.asnumpy())})
+        if tick is None:
+            tick, tokens = time.time(), 0  # the first step compiles: rate from the second on
+        if (step + 1) % t["log_every"] == 0 or step + 1 == steps:
+            h, secs = history[-1], time.time() - tick
+            rate = f"{tokens / secs:,.0f}" if tokens else "-"
+            log(f"stage {stage} step {step + 1:5d}/{steps} ({100 * (step + 1) // steps:3d}%) loss {h['loss']:.4f} "
+                f"scale {h['scale']:g} overflow {h['overflow']} tokens/s {rate}")
+        if (t["save_every"] and (step + 1) % t["save_every"] == 0) or step + 1 == steps:
+            save(train, ckpt_root, step + 1, history, run_dir, t["keep_checkpoints"], world, log)
+            last_saved = step + 1
+        if step + 1 == stop_after:
+            log(f"stage {stage}: stopping after step {stop_after} (--stop-after)")
+            return None
     report = mindzero.memory_report(train)
-    held = Tensor(np.array([report[k] for k in KINDS] + [report["expected"][k] for k in KINDS], np.int64))
+    held = Tensor(np.array([report[x] for x in KINDS] + [report["expected"][x] for x in KINDS], np.int64))
     per_rank = AllGather(world)(held).asnumpy().reshape(world.group_size, -1)
-    return losses, per_rank, mindzero.gather_full_state_dict(train)
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default=str(Path(__file__).parent / "configs" / "stages_demo.yaml"))
-    ap.add_argument("--out", default="runs/stages_demo")
-    args = ap.parse_args()
-    cfg = yaml.safe_load(Path(args.config).read_text())
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    init()
-    world = current_world()
-    text = make_corpus(cfg["data"]["sentences"], cfg["data"]["seed"])
-    tok = CharTokenizer(text)
-    ids = tok.encode(text)
-    results, ref = {}, None
-    for stage in cfg["train"]["stages"]:
-        losses, per_rank, params = train_stage(stage, cfg, ids, tok.vocab_size, world)
-        if ref is None:
-            ref = (losses, params)
-        drift = max(float(np.max(np.abs(params[n] - ref[1][n])) / max(np.max(np.abs(ref[1][n])), 1e-12))
-                    for n in params)
-        results[stage] = dict(losses=losses, bytes_per_rank=per_rank.tolist(), param_drift_vs_first=drift)
-    out = Path(args.out)
+    final_params = mindzero.gather_full_state_dict(train)
     if world.rank == 0:
-        print_table(results, world.group_size, tok.vocab_size)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / f"rank_{world.rank}.done").write_text("ok")
+        finish(cfg, tok, run_dir, ckpt_root / f"step_{last_saved:06d}", history, stage, log)
+    return dict(losses=[h["loss"] for h in history], bytes_per_rank=per_rank.tolist(), params=final_params)
 
 
-def mib(x):
-    return f"{x / 2**20:.3f}"
+def save(train, ckpt_root, step, history, run_dir, keep, world, log):
+    path = ckpt_root / f"step_{step:06d}"
+    if path.exists():
+        return
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    mindzero.save_checkpoint(train, path, step=step)  # collective; complete on every rank when it returns
+    if world.rank == 0:
+        write_json(run_dir / "history.json", history)
+        old = sorted(p for p in ckpt_root.glob("step_*") if (p / COMPLETE).is_file())[:-keep] if keep else []
+        for p in old:
+            shutil.rmtree(p)
+        log(f"saved {path}" + (f" (removed {', '.join(p.name for p in old)})" if old else ""))
 
 
-def print_table(results, n, vocab):
-    first = next(iter(results.values()))["losses"]
-    print(f"\nGPT on {n} ranks (vocab {vocab}); uniform-guess loss {np.log(vocab):.3f}; "
-          f"first-step loss {first[0]:.4f}")
-    print("| stage | final loss | max rel. param diff vs first stage | rank | params MiB | grads MiB "
-          "| optimizer MiB | expected (p/g/o) MiB |")
-    print("|---|---|---|---|---|---|---|---|")
+def finish(cfg, tok, run_dir, last_ckpt, history, stage, log):
+    """Rank 0: merge the last checkpoint into one file, load it into the plain network, generate, plot."""
+    m, g = cfg["model"], cfg["generate"]
+    final = run_dir / "final_model.ckpt"
+    merge_checkpoint(last_ckpt, final, force=True, log=None)
+    gpt = GPT(tok.vocab_size, m["dim"], m["layers"], m["heads"], m["seq"], m["tied"])
+    missing, _ = ms.load_param_into_net(LMLoss(gpt), ms.load_checkpoint(str(final)), strict_load=True)
+    if missing:
+        raise RuntimeError(f"{final}: parameters missing from the merged checkpoint: {missing}")
+    ms.set_context(mode=ms.PYNATIVE_MODE)  # one forward per character: no recompiles per length
+    text = generate(gpt, tok, g["prompt"], g["tokens"], m["seq"])
+    ms.set_context(mode=ms.GRAPH_MODE)
+    (run_dir / "samples.txt").write_text(text + "\n")
+    log(f"stage {stage}: merged model {final}; greedy sample: {text!r}")
+    plot([(f"stage {stage}", history)], run_dir / "loss.png", f"GPT, ZeRO stage {stage}", np.log(tok.vocab_size))
+
+
+def plot(curves, path: Path, title: str, uniform: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+    for label, hist in curves:
+        ax.plot([h["step"] for h in hist], [h["loss"] for h in hist], label=label, lw=1.4)
+    ax.axhline(uniform, color="grey", ls=":", lw=1, label="uniform guess")
+    ax.set(xlabel="optimizer step", ylabel="training loss (rank 0, micro-batch mean)", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def print_table(results, n, vocab, log):
+    first = next(iter(results.values()))
+    log(f"\nGPT on {n} ranks (vocab {vocab}); uniform-guess loss {np.log(vocab):.3f}; "
+        f"first-step loss {first['losses'][0]:.4f}")
+    log("| stage | final loss | max rel. param diff vs first stage | rank | params MiB | grads MiB "
+        "| optimizer MiB | expected (p/g/o) MiB |")
+    log("|---|---|---|---|---|---|---|---|")
     for stage, r in results.items():
         for rank, row in enumerate(r["bytes_per_rank"]):
             lead = (f"| {stage} | {r['losses'][-1]:.6f} | {r['param_drift_vs_first']:.1e} " if rank == 0
                     else "| | | ")
-            print(lead + f"| {rank} | {mib(row[0])} | {mib(row[1])} | {mib(row[2])} "
-                  f"| {mib(row[3])}/{mib(row[4])}/{mib(row[5])} |")
-    print("\nStages 0-1 reduce accumulated gradients once per update, stages 2-3 every micro-batch: the same sums\n"
-          "in another order. Without accumulation all stages are bit-identical here; with it they differ by\n"
-          "rounding, which this GPT amplifies (one ulp in one weight grows to 0.67 relative in 40 steps,\n"
-          "see docs/parity.md).")
+            log(lead + f"| {rank} | {mib(row[0])} | {mib(row[1])} | {mib(row[2])} "
+                f"| {mib(row[3])}/{mib(row[4])}/{mib(row[5])} |")
+    if len({round(r["losses"][-1], 6) for r in results.values()}) > 1:
+        log("\nWith gradient accumulation, stages 0-1 reduce the accumulated gradient once per update and stages\n"
+            "2-3 every micro-batch: the same sums in another order. They differ by rounding, which training\n"
+            "amplifies (one ulp in one weight of this GPT grows to 0.67 relative in 40 steps, see docs/parity.md);\n"
+            "without accumulation all stages are bit-identical.")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=str(Path(__file__).parent / "configs" / "gpt_stage2.yaml"))
+    ap.add_argument("--out", default="runs/gpt")
+    ap.add_argument("--stage", type=int, help="override zero.stage")
+    ap.add_argument("--steps", type=int, help="override train.steps")
+    ap.add_argument("--no-resume", action="store_true", help="start over; refuse an --out with checkpoints")
+    ap.add_argument("--stop-after", type=int, default=0,
+                    help="stop after this step as if interrupted (checkpoints stay; run again to resume)")
+    args = ap.parse_args()
+    cfg = load_config(args.config, args.stage)
+    if args.steps:
+        cfg["train"]["steps"] = args.steps
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    init()
+    world = current_world()
+    log = (lambda msg: print(msg, flush=True)) if world.rank == 0 else (lambda msg: None)
+    out = Path(args.out)
+    text = make_corpus(cfg["data"]["sentences"], cfg["data"]["seed"])
+    tok = CharTokenizer(text)
+    ids = tok.encode(text)
+    log(f"config {args.config}: stages {cfg['stages']}, {cfg['train']['steps']} steps x "
+        f"{cfg['train']['gradient_accumulation_steps']} micro-batches of {cfg['train']['batch']} x "
+        f"{cfg['model']['seq']} tokens per rank; corpus {len(ids):,} characters, vocab {tok.vocab_size}")
+    results, ref = {}, None
+    for stage in cfg["stages"]:
+        r = run_stage(stage, cfg, ids, tok, world, out, not args.no_resume, args.stop_after, log)
+        if r is None:
+            break
+        params = r.pop("params")
+        ref = ref or params
+        r["param_drift_vs_first"] = max(float(np.max(np.abs(params[n] - ref[n])) / max(np.max(np.abs(ref[n])), 1e-12))
+                                        for n in params)
+        results[stage] = r
+    if world.rank == 0 and results:
+        write_json(out / "results.json", results)
+        if len(results) > 1:
+            print_table(results, world.group_size, tok.vocab_size, log)
+            curves = [(f"stage {s}", json.loads((out / f"stage_{s}" / "history.json").read_text())) for s in results]
+            plot(curves, out / "loss_all_stages.png", f"GPT on {world.group_size} ranks, ZeRO stages",
+                 np.log(tok.vocab_size))
+    (out / f"rank_{world.rank}.done").write_text("ok")
 
 
 if __name__ == "__main__":

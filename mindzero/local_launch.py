@@ -185,6 +185,8 @@ def launch(script, world_size: int, out_dir, args=(), timeout: float = 900.0, no
         raise ValueError(f"launcher={launcher!r}: must be one of {LAUNCHERS}")
     out_dir = Path(out_dir)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("rank_*.done"):  # a previous launch's markers must not pass for this one's
+        stale.unlink()
     env = _env(env)
     cmds = _commands(launcher, script, world_size, nodes, out_dir, args, env)
     start = time.time()
