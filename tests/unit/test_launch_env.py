@@ -1,0 +1,58 @@
+"""mindzero.launch's mapping of launcher variables onto MindSpore's, and local_launch's reading of
+launcher reports (which rank failed first): pure logic, no MindSpore, no processes."""
+import pytest
+
+from mindzero.launch import cluster_env, job_port, launcher_rank
+from mindzero.local_launch import first_failure
+
+
+def test_openmpi_pmi_and_slurm_variables():
+    assert launcher_rank({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                          "OMPI_MCA_ess_base_jobid": "77"}) == ("OpenMPI", 3, 4, "77")
+    assert launcher_rank({"PMI_RANK": "1", "PMI_SIZE": "2"}) == ("PMI", 1, 2, "")
+    assert launcher_rank({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "5"}) == ("Slurm", 0, 8, "5")
+
+
+@pytest.mark.parametrize("env,match", [
+    ({}, "no launcher rank variables found"),
+    ({"PMI_RANK": "2", "PMI_SIZE": "2"}, r"PMI_RANK=2 with PMI_SIZE=2: the rank must lie in \[0, size\)"),
+    ({"PMI_RANK": "x", "PMI_SIZE": "2"}, "rank and size must be integers"),
+])
+def test_bad_launcher_variables(env, match):
+    with pytest.raises(RuntimeError, match=match):
+        launcher_rank(env)
+
+
+def test_cluster_env():
+    env = cluster_env(1, 4, "job", env={})
+    assert env["MS_ROLE"] == "MS_WORKER" and env["MS_WORKER_NUM"] == "4"
+    assert env["MS_NODE_ID"] == env["RANK_ID"] == "1"
+    assert env["MS_SCHED_HOST"] == "127.0.0.1" and env["MS_SCHED_PORT"] == str(job_port("job"))
+    given = cluster_env(0, 2, "job", env={"MS_SCHED_HOST": "node0", "MS_SCHED_PORT": "8118"})
+    assert (given["MS_SCHED_HOST"], given["MS_SCHED_PORT"]) == ("node0", "8118")
+    assert cluster_env(0, 2, "job", "h", 9000, env={"MS_SCHED_PORT": "8118"})["MS_SCHED_PORT"] == "9000"
+    with pytest.raises(ValueError, match="master_port=70000"):
+        cluster_env(0, 2, "job", master_port=70000, env={})
+
+
+def test_job_port_is_shared_and_in_range():
+    assert job_port("a") == job_port("a")
+    assert all(20000 <= job_port(str(i)) < 40000 for i in range(200))
+    assert len({job_port(str(i)) for i in range(200)}) > 150
+
+
+def test_first_failure_picks_the_earliest_msrun_report():
+    out = ("[ERROR] ME(1:2,MainProcess):2026-11-21-10:16:45.802.000 [x.py:365] Worker process 40 exit with "
+           "exception. Error code: -15.\n"
+           "[ERROR] ME(3:4,MainProcess):2026-11-21-10:16:17.825.000 [x.py:365] Worker process 41 exit with "
+           "exception. Error code: -9.\n")
+    assert first_failure(out, {40: 0, 41: 3}) == (3, "killed by signal 9")
+    assert first_failure(out.replace("-9.", "1."), {40: 0, 41: 3}) == (3, "exit status 1")
+    assert first_failure(out, {}) is None  # unknown pids: the caller falls back to the logs
+
+
+def test_first_failure_reads_mpirun_reports():
+    assert first_failure("mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 9 (Killed).",
+                         {}) == (1, "killed by signal 9")
+    text = "The first process to do so was:\n\n  Process name: [[32749,1],1]\n  Exit code:    1\n"
+    assert first_failure(text, {}) == (1, "exit status 1")
