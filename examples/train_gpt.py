@@ -136,7 +136,7 @@ def run_stage(stage, cfg, ids, tok, world, out: Path, resume: bool, stop_after: 
             return None
     report = mindzero.memory_report(train)
     held = Tensor(np.array([report[x] for x in KINDS] + [report["expected"][x] for x in KINDS], np.int64))
-    per_rank = AllGather(world)(held).asnumpy().reshape(world.group_size, -1)
+    per_rank = AllGather(world, "world")(held).asnumpy().reshape(world.world_size, -1)
     final_params = mindzero.gather_full_state_dict(train)
     if world.rank == 0:
         finish(cfg, tok, run_dir, ckpt_root / f"step_{last_saved:06d}", history, stage, log)
@@ -228,7 +228,7 @@ def main():
     ms.set_device("CPU")
     init()
     world = current_world()
-    log = (lambda msg: print(msg, flush=True)) if world.rank == 0 else (lambda msg: None)
+    log = (lambda msg: print(msg, flush=True)) if world.world_rank == 0 else (lambda msg: None)
     out = Path(args.out)
     text = make_corpus(cfg["data"]["sentences"], cfg["data"]["seed"])
     tok = CharTokenizer(text)

@@ -11,6 +11,7 @@ from importlib import import_module
 
 from .config import STAGES, StagePolicy, ZeroConfig, stage_policy
 from .memory import expected_bytes
+from .layout import HybridLayout, LayoutError
 from .plan import ParamInfo, PartitionPlan, ShardSpec
 
 __version__ = "0.1.0"
@@ -26,10 +27,11 @@ _LAZY = {
     "convert_checkpoints": "mindzero.merge",
     "memory_report": "mindzero.memory",
     "register_elementwise_optimizer": "mindzero.optim",
+    "create_hybrid_groups": "mindzero.comm",
 }
 
 __all__ = sorted(["STAGES", "StagePolicy", "ZeroConfig", "stage_policy", "expected_bytes", "ParamInfo",
-                  "PartitionPlan", "ShardSpec", *_LAZY])
+                  "PartitionPlan", "ShardSpec", "HybridLayout", "LayoutError", *_LAZY])
 
 
 def __getattr__(name):

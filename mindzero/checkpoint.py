@@ -74,7 +74,7 @@ class _Barrier:
     """All ranks wait here; also agrees on a value chosen by rank 0 (a SUM in which the others add 0)."""
 
     def __init__(self, world):
-        self.cell, self.rank = shared_cell(AllReduceSum, world), world.rank
+        self.cell, self.rank = shared_cell(AllReduceSum, world), world.world_rank
 
     def __call__(self, values=(0.0,)):
         x = np.array(values, np.float32) if self.rank == 0 else np.zeros(len(values), np.float32)
@@ -107,19 +107,22 @@ def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="
     barrier = _Barrier(info.world)
     partial = final.with_name(final.name + ".partial")
     run_id = "-".join(f"{int(v):06x}" for v in barrier(np.random.randint(0, 1 << 24, size=3)))
-    if info.world.rank == 0:
+    if info.world.world_rank == 0:
         shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save
         partial.mkdir(parents=True)
     barrier()
     entries = [(e, p) for e, p in live_tensors(train_net, format) if not weights_only or e.kind == "parameter"]
     if step is None:
         step = int(train_net.optimizer.global_step.asnumpy().reshape(-1)[0])
-    _write_rank_files(entries, partial, info.world.rank, format)
-    SplitInfo(run_id, info.config.zero_stage, info.world.group_size, info.world.rank, int(step), format,
-              info.plan.fingerprint(), tuple(e for e, _ in entries)).write(partial / split_info_name(info.world.rank))
+    if info.world.writes_shards:  # with hybrid sharding replica 0 writes; the others hold the same shards
+        _write_rank_files(entries, partial, info.world.rank, format)
+        SplitInfo(run_id, info.config.zero_stage, info.world.group_size, info.world.rank, int(step), format,
+                  info.plan.fingerprint(), tuple(e for e, _ in entries), replicas=info.world.replicas,
+                  replica=info.world.replica).write(partial / split_info_name(info.world.rank))
     barrier()
-    if info.world.rank == 0:
+    if info.world.world_rank == 0:
         marker = {"run_id": run_id, "step": int(step), "group_size": info.world.group_size,
+                  "replicas": info.world.replicas,
                   "weights_only": bool(weights_only), "files": sorted(os.listdir(partial))}
         write_atomic(partial / COMPLETE, json.dumps(marker, indent=1).encode())
         os.replace(partial, final)
@@ -241,7 +244,7 @@ def save_full_checkpoint(train_net, path, format="ckpt"):
     path = Path(path)
     if not path.name.endswith("." + format):
         raise CheckpointError(f"path must end with .{format} for format={format!r}, got {str(path)!r}")
-    if train_net.zero_info.world.rank == 0:
+    if train_net.zero_info.world.world_rank == 0:
         tmp = path.with_name(f".partial-{os.getpid()}-{path.name}")  # keeps the suffix MindSpore checks
         ms.save_checkpoint([{"name": n, "data": Tensor(v)} for n, v in full.items()], str(tmp), format=format)
         os.replace(tmp, path)

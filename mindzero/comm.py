@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import Tensor, nn, ops
 
 # Backends on which MindSpore registers a real ReduceScatter kernel.
 _REAL_REDUCE_SCATTER = ("GPU", "Ascend")
@@ -33,16 +33,52 @@ _REAL_REDUCE_SCATTER = ("GPU", "Ascend")
 
 @dataclass(frozen=True)
 class World:
-    """The communication world of this process: size, rank, device target and world group name."""
+    """This process's communication world: the op group it shards over and, with hybrid sharding,
+    the replicas of that group.
+
+    ``group_size``/``rank``/``group``: the op group (size ``G``, this rank's shard index, its
+    name); ``world_size``/``world_rank``/``world_group``: the whole world (``N``);
+    ``replicas``/``replica``: ``R = N / G`` copies of the op group and which one this rank is
+    in; ``members``: the op group's world ranks in shard order; ``dp_group``: the group of the
+    ranks holding this shard index in every replica. Without hybrid sharding ``G = N``, ``R = 1``.
+    """
 
     group_size: int
     rank: int
     device: str
-    group: str  # MindSpore's world group name ("" when not initialised)
+    group: str  # MindSpore's name of the op group ("" when not initialised)
+    world_size: int = 0  # 0: the same as group_size
+    world_rank: int = -1
+    world_group: str = ""
+    replicas: int = 1
+    replica: int = 0
+    members: tuple = ()
+    dp_group: str = ""
+
+    def __post_init__(self):
+        if self.world_size == 0:
+            object.__setattr__(self, "world_size", self.group_size)
+            object.__setattr__(self, "world_rank", self.rank)
+            object.__setattr__(self, "world_group", self.group)
+            object.__setattr__(self, "members", tuple(range(self.group_size)))
+
+    @property
+    def hybrid(self) -> bool:
+        return self.replicas > 1
+
+    @property
+    def emulated(self) -> bool:
+        """CPU: no ReduceScatter and no collectives on sub-groups; both are emulated with world collectives."""
+        return self.world_size > 1 and self.device not in _REAL_REDUCE_SCATTER
 
     @property
     def emulated_reduce_scatter(self) -> bool:
-        return self.group_size > 1 and self.device not in _REAL_REDUCE_SCATTER
+        return self.emulated
+
+    @property
+    def writes_shards(self) -> bool:
+        """Replica 0 writes the shard files of a checkpoint (the other replicas hold the same shards)."""
+        return self.replica == 0
 
 
 def current_world() -> World:
@@ -55,28 +91,119 @@ def current_world() -> World:
     return World(get_group_size(), get_rank(), device, GlobalComm.WORLD_COMM_GROUP)
 
 
-def resolve_group(group, argument: str, world: World) -> None:
-    """Accept ``None`` or the world group's name for a group argument.
+_WORLD_NAMES = ("hccl_world_group", "nccl_world_group", "mccl_world_group")
+_GROUP_RANKS = {}  # group name -> world ranks, for groups made by create_hybrid_groups or register_group
+
+
+def register_group(name: str, ranks) -> None:
+    """Tell mindzero the world ranks of a group (``create_hybrid_groups`` does this for its groups)."""
+    _GROUP_RANKS[name] = tuple(int(r) for r in ranks)
+
+
+def group_ranks(name: str) -> tuple:
+    """World ranks of a named group: registered here, else asked of MindSpore."""
+    if name in _GROUP_RANKS:
+        return _GROUP_RANKS[name]
+    from mindspore.communication import get_process_group_ranks
+
+    return tuple(int(r) for r in get_process_group_ranks(name))
+
+
+def create_hybrid_groups(shard_size: int, prefix: str = "mindzero") -> tuple:
+    """Create the contiguous hybrid layout's groups and return ``(optimizer_parallel_group, dp_group)``
+    for this rank: ranks ``[k*G, (k+1)*G)`` shard together, ``G = shard_size``.
+
+    Every rank must call it (after ``init()``). On CPU MindSpore creates the groups but runs no
+    collective on them; mindzero's communication module then emulates them (docs/hybrid.md).
+    """
+    from mindspore.communication import create_group
+
+    from .layout import HybridLayout
+
+    world = current_world()
+    layout = HybridLayout.contiguous(world.world_size, shard_size)
+    op, dp = layout.op_group_of(world.world_rank), layout.dp_group_of(world.world_rank)
+    names = (f"{prefix}_op{shard_size}_{layout.replica(world.world_rank)}",
+             f"{prefix}_dp{shard_size}_{layout.op_rank(world.world_rank)}")
+    for name, ranks in zip(names, (op, dp)):
+        if name not in _GROUP_RANKS:
+            if len(ranks) > 1:
+                create_group(name, list(ranks))
+            register_group(name, ranks)
+    return names
+
+
+def resolve_world(optimizer_parallel_group, dp_group) -> World:
+    """The :class:`World` for ``prepare_train_network``'s group arguments, checked across all ranks.
+
+    ``None`` (or the world group's name) for both: shard over the whole world. A sub-group as
+    ``optimizer_parallel_group`` needs a ``dp_group`` (mindone's rule); together they must cut the
+    world into replicas of equal op groups (:class:`mindzero.layout.HybridLayout`). Every rank
+    all-gathers its view of the layout (2N numbers), so a layout that is wrong anywhere fails on
+    every rank with the same message instead of deadlocking.
 
     Raises:
-        ValueError: ``group`` names a group mindzero does not know.
-        NotImplementedError: ``group`` is a sub-group (hybrid sharding is not implemented yet).
+        ValueError: a group argument that is not a name, or a layout error naming the groups.
     """
-    if group is None:
-        return
-    if not isinstance(group, str):
-        raise ValueError(f"{argument} must be None or a group name (str), got {group!r}")
-    from mindspore.communication import GlobalComm
+    from .layout import HybridLayout, LayoutError
 
-    world_names = {world.group, GlobalComm.WORLD_COMM_GROUP, "hccl_world_group", "nccl_world_group",
-                   "mccl_world_group"}
-    if group in world_names and world.group_size > 1:
-        return
-    if world.group_size == 1:
-        raise ValueError(f"{argument}={group!r} names a communication group, but the world has one rank "
-                         "(mindspore.communication.init() was not called); pass None")
-    raise NotImplementedError(f"{argument}={group!r}: sharding over a sub-group (hybrid sharding) is not "
-                              f"implemented; pass None or the world group {world.group!r}")
+    flat = current_world()
+    for value, argument in ((optimizer_parallel_group, "optimizer_parallel_group"), (dp_group, "dp_group")):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{argument} must be None or a group name (str), got {value!r}")
+        if value is not None and flat.world_size == 1:
+            raise ValueError(f"{argument}={value!r} names a communication group, but the world has one rank "
+                             "(mindspore.communication.init() was not called); pass None")
+    is_world = lambda g: g is None or g in (flat.world_group, *_WORLD_NAMES)  # noqa: E731
+    if flat.world_size == 1:
+        return flat
+    n, me = flat.world_size, flat.world_rank
+    if is_world(optimizer_parallel_group):
+        op, dp = tuple(range(n)), (me,)
+        if not is_world(dp_group) and len(group_ranks(dp_group)) > 1:
+            raise ValueError(f"dp_group={dp_group!r} with optimizer_parallel_group={optimizer_parallel_group!r}: "
+                             "sharding over the whole world leaves no replicas for a dp group; pass dp_group=None")
+    else:
+        if is_world(dp_group):
+            raise ValueError(f"optimizer_parallel_group={optimizer_parallel_group!r} is a sub-group, so dp_group "
+                             f"must name the group of ranks holding the same shard in the other op groups; got "
+                             f"dp_group={dp_group!r}")
+        op, dp = group_ranks(optimizer_parallel_group), group_ranks(dp_group)
+    views = _gather_views(flat, op, dp)
+    try:
+        layout = HybridLayout.from_groups(n, {v[0] for v in views}, {v[1] for v in views},
+                                          f"optimizer_parallel_group ({optimizer_parallel_group!r} on rank {me})",
+                                          f"dp_group ({dp_group!r} on rank {me})")
+    except LayoutError as err:
+        raise ValueError(f"rank {me}: {err}") from None
+    if layout.replicas == 1:
+        return flat
+    mine = layout.op_group_of(me)
+    return World(layout.shard_size, layout.op_rank(me), flat.device, optimizer_parallel_group, n, me,
+                 flat.world_group, layout.replicas, layout.replica(me), mine, dp_group)
+
+
+def _gather_views(flat: World, op, dp) -> list:
+    """Every rank's ``(op group, dp group)`` as it sees them: one world all-gather of 2N numbers
+    (position ``r`` holds 1 + r's index in the group, 0 if absent)."""
+    import numpy as np
+    from mindspore import Tensor
+
+    n = flat.world_size
+    row = np.zeros(2 * n, np.float32)
+    for base, ranks in ((0, op), (n, dp)):
+        for i, r in enumerate(ranks):
+            if 0 <= r < n:
+                row[base + r] = i + 1
+    table = shared_cell(AllGather, flat, "world")(Tensor(row)).asnumpy().reshape(n, 2 * n)
+    views = []
+    for line in table:
+        groups = []
+        for base in (0, n):
+            part = line[base:base + n]
+            groups.append(tuple(int(r) for r in sorted(np.flatnonzero(part), key=lambda r: part[r])))
+        views.append(tuple(groups))
+    return views
 
 
 def own_shard(flat, padding: int, rank: int, group_size: int):
@@ -88,71 +215,119 @@ def own_shard(flat, padding: int, rank: int, group_size: int):
 
 
 class AllGather(nn.Cell):
-    """Concatenate every rank's 1D shard along dim 0: ``(shard_size,) -> (group_size * shard_size,)``."""
+    """Concatenate 1D shards along dim 0 over the op group (``scope="op"``) or the whole world.
 
-    def __init__(self, world: World):
+    ``(shard_size,) -> (group_size * shard_size,)``. Hybrid on CPU: a world all-gather, then the
+    op group's rows (moves ``R`` times the bytes of a real group all-gather).
+    """
+
+    def __init__(self, world: World, scope: str = "op"):
         super().__init__(auto_prefix=False)
-        self.identity = world.group_size == 1
-        self.op = None if self.identity else ops.AllGather(world.group)
+        size = world.group_size if scope == "op" else world.world_size
+        self.identity = size == 1
+        self.select = None
+        self.rows = world.world_size
+        if self.identity:
+            self.op = None
+        elif scope == "op" and world.hybrid:
+            if world.emulated:
+                self.op = ops.AllGather(world.world_group)
+                self.select = Tensor(list(world.members), ms.int32)
+            else:
+                self.op = ops.AllGather(world.group)
+        else:
+            self.op = ops.AllGather(world.world_group)
 
     def construct(self, x):
         if self.identity:
             return x
-        return self.op(x)
+        y = self.op(x)
+        if self.select is not None:
+            y = ops.gather(y.reshape((self.rows, -1)), self.select, 0).reshape((-1,))
+        return y
 
 
 class AllReduceSum(nn.Cell):
-    """Element-wise sum over the group."""
+    """Element-wise sum over the whole world (``scope="world"``) or over the op group.
 
-    def __init__(self, world: World):
+    Hybrid op-group sum on CPU: each replica writes ``x`` into its own slot of an ``(R, ...)``
+    tensor of zeros, a world all-reduce adds them, and each rank keeps its replica's slot
+    (exact; ``R`` times the bytes of a real group all-reduce).
+    """
+
+    def __init__(self, world: World, scope: str = "world"):
         super().__init__(auto_prefix=False)
-        self.identity = world.group_size == 1
-        self.op = None if self.identity else ops.AllReduce(ops.ReduceOp.SUM, world.group)
+        size = world.group_size if scope == "op" else world.world_size
+        self.identity = size == 1
+        self.slots = None
+        if self.identity:
+            self.op = None
+        elif scope == "op" and world.hybrid:
+            if world.emulated:
+                self.op = ops.AllReduce(ops.ReduceOp.SUM, world.world_group)
+                onehot = [1.0 if k == world.replica else 0.0 for k in range(world.replicas)]
+                self.slots = Tensor(onehot, ms.float32)
+                self.replica = world.replica
+            else:
+                self.op = ops.AllReduce(ops.ReduceOp.SUM, world.group)
+        else:
+            self.op = ops.AllReduce(ops.ReduceOp.SUM, world.world_group)
 
     def construct(self, x):
         if self.identity:
             return x
+        if self.slots is not None:
+            mask = ops.cast(self.slots, x.dtype).reshape((-1,) + (1,) * x.ndim)
+            return self.op(mask * ops.expand_dims(x, 0))[self.replica]
         return self.op(x)
 
 
 class ReduceScatterSum(nn.Cell):
-    """Sum a flat tensor over the group and keep this rank's padded shard.
+    """Sum a flat tensor over the whole world and keep this rank's padded shard of the op group.
 
     ``(numel,) -> (shard_size,)`` with ``shard_size = (numel + padding) / group_size``.
-    GPU/Ascend: zero-pad, then ``ReduceScatter``. CPU: ``AllReduce`` of the
-    *unpadded* tensor, then pad and slice; all-reducing exactly the tensor a
-    plain data-parallel all-reduce would sum keeps the summation order, so the
-    result is bit-identical to stage 0's.
+    GPU/Ascend: zero-pad, then ``ReduceScatter`` over the op group (and, with hybrid
+    sharding, ``AllReduce`` of the shard over the dp group). CPU: ``AllReduce`` of the
+    *unpadded* tensor over the world, then pad and slice; all-reducing exactly the tensor a
+    plain data-parallel all-reduce would sum keeps the summation order, so the result is
+    bit-identical to stage 0's (hybrid or not).
     """
 
     def __init__(self, world: World, padding: int = 0):
         super().__init__(auto_prefix=False)
-        self.identity = world.group_size == 1
-        self.emulated = world.emulated_reduce_scatter
+        self.identity = world.world_size == 1
+        self.emulated = world.emulated
         self.group_size = world.group_size
         self.rank = world.rank
         self.padding = padding
+        self.dp = None
         if self.identity:
             self.op = None
         elif self.emulated:
-            self.op = ops.AllReduce(ops.ReduceOp.SUM, world.group)
+            self.op = ops.AllReduce(ops.ReduceOp.SUM, world.world_group)
         else:
             self.op = ops.ReduceScatter(ops.ReduceOp.SUM, world.group)
+            if world.hybrid:
+                self.dp = ops.AllReduce(ops.ReduceOp.SUM, world.dp_group)
 
     def construct(self, x):
         if self.identity:
             return own_shard(x, self.padding, 0, 1)
         if self.emulated:
             return own_shard(self.op(x), self.padding, self.rank, self.group_size)
-        return self.op(own_shard(x, self.padding, 0, 1))
+        y = self.op(own_shard(x, self.padding, 0, 1))
+        if self.dp is not None:
+            y = self.dp(y)
+        return y
 
 
 class AnyRank(nn.Cell):
-    """``True`` on every rank when ``flag`` is ``True`` on any rank (a SUM of 0/1, as CPU has no MAX)."""
+    """``True`` on every rank when ``flag`` is ``True`` on any rank of the world (a SUM of 0/1, as CPU
+    has no MAX)."""
 
     def __init__(self, world: World):
         super().__init__(auto_prefix=False)
-        self.sum = AllReduceSum(world)
+        self.sum = AllReduceSum(world, "world")
 
     def construct(self, flag):
         count = self.sum(ops.cast(flag, ms.float32).reshape((1,)))
@@ -162,10 +337,10 @@ class AnyRank(nn.Cell):
 _SHARED = {}
 
 
-def shared_cell(cls, world: World):
-    """One ``cls(world)`` per process and group, reused by host-side helpers (barriers, plan checks) so
-    each compiles once."""
-    key = (cls, world.group_size, world.group)
+def shared_cell(cls, world: World, scope: str = "world"):
+    """One ``cls(world, scope)`` per process, group and scope, reused by host-side helpers (barriers,
+    plan checks) so each compiles once."""
+    key = (cls, world, scope)
     if key not in _SHARED:
-        _SHARED[key] = cls(world)
+        _SHARED[key] = cls(world, scope)
     return _SHARED[key]

@@ -58,7 +58,7 @@ def memory_report(train_net) -> dict:
 
     Returns:
         ``{"parameters", "gradients", "optimizer_states", "optimizer_moments", "master_shards": int,
-        "expected": {same keys}, "stage": int, "group_size": int}``; ``optimizer_states`` is
+        "expected": {same keys}, "stage": int, "group_size": int, "replicas": int}``; ``optimizer_states`` is
         ``optimizer_moments + master_shards``.
     """
     from .optim import optimizer_state_params
@@ -76,5 +76,6 @@ def memory_report(train_net) -> dict:
         "expected": expected_bytes(info.plan, info.config.policy, len(info.state_attrs),
                                    info.config.gradient_accumulation_steps > 1),
         "stage": info.config.zero_stage,
-        "group_size": info.world.group_size,
+        "group_size": info.world.group_size,  # the op group: what the shards divide by
+        "replicas": info.world.replicas,
     }

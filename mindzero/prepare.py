@@ -12,7 +12,7 @@ import numbers
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
-from .comm import World, current_world, resolve_group
+from .comm import World, resolve_world
 from .config import ZeroConfig
 from .optim import check_optimizer, shard_optimizer, state_tuples
 from .plan import ParamInfo, PartitionPlan
@@ -73,7 +73,7 @@ def check_same_plan(plan: PartitionPlan, world: World, stage: int) -> None:
     Raises:
         ValueError: naming this rank, the differing rank and the first differing parameter.
     """
-    if world.group_size == 1:
+    if world.world_size == 1:
         return
     import hashlib
 
@@ -82,25 +82,25 @@ def check_same_plan(plan: PartitionPlan, world: World, stage: int) -> None:
 
     from .comm import AllGather, shared_cell
 
-    gather = shared_cell(AllGather, world)
+    gather = shared_cell(AllGather, world, "world")
     mine = [float(len(plan)), float(stage)] + _digits(plan.fingerprint(), 3)
-    rows = gather(Tensor(np.array(mine, np.float32))).asnumpy().reshape(world.group_size, -1)
-    bad = [r for r in range(world.group_size) if not np.array_equal(rows[r], rows[0])]
+    rows = gather(Tensor(np.array(mine, np.float32))).asnumpy().reshape(world.world_size, -1)
+    bad = [r for r in range(world.world_size) if not np.array_equal(rows[r], rows[0])]
     if not bad:
         return
     other = bad[0]
     if rows[other][1] != rows[0][1]:
-        raise ValueError(f"rank {world.rank}: zero_stage differs across ranks (rank 0: {int(rows[0][1])}, "
+        raise ValueError(f"rank {world.world_rank}: zero_stage differs across ranks (rank 0: {int(rows[0][1])}, "
                          f"rank {other}: {int(rows[other][1])}); every rank must prepare the same stage")
     if rows[other][0] != rows[0][0]:
-        raise ValueError(f"rank {world.rank}: the networks differ across ranks: rank 0 has {int(rows[0][0])} "
+        raise ValueError(f"rank {world.world_rank}: the networks differ across ranks: rank 0 has {int(rows[0][0])} "
                          f"parameters, rank {other} has {int(rows[other][0])}; this rank has {len(plan)}")
     per = [_digits(hashlib.sha256(repr((s.name, s.shape, s.dtype, s.sharded)).encode()).hexdigest(), 1)[0]
            for s in plan]
-    table = AllGather(world)(Tensor(np.array(per, np.float32))).asnumpy().reshape(world.group_size, -1)
+    table = AllGather(world, "world")(Tensor(np.array(per, np.float32))).asnumpy().reshape(world.world_size, -1)
     index = int(np.argmax(table[other] != table[0]))
     spec = plan.specs[index]
-    raise ValueError(f"rank {world.rank}: the networks differ across ranks at parameter #{index}: on this rank "
+    raise ValueError(f"rank {world.world_rank}: the networks differ across ranks at parameter #{index}: on this rank "
                      f"{spec.name!r} {spec.shape} {spec.dtype}, and rank {other} differs from rank 0 there; "
                      "every rank must build the same network and optimizer")
 
@@ -146,9 +146,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
     config = ZeroConfig(zero_stage, gradient_accumulation_steps, clip_grad, clip_norm, drop_overflow_update, verbose)
     if not isinstance(network, nn.Cell):
         raise TypeError(f"network must be a mindspore.nn.Cell, got {type(network).__name__}")
-    world = current_world()
-    resolve_group(optimizer_parallel_group, "optimizer_parallel_group", world)
-    resolve_group(dp_group, "dp_group", world)
+    world = resolve_world(optimizer_parallel_group, dp_group)
     _refuse_unimplemented(ema, updates, optimizer_offload, comm_fusion, parallel_modules)
     policy = config.policy
     network_params = {p.name: p for p in network.get_parameters()}
@@ -169,9 +167,10 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
                                      scale_param, manager, config, world)
     train_net.zero_info = ZeroInfo(config, world, plan, tuple(state_attrs), tuple(masters), tuple(full_params),
                                    tuple(buffers), tuple(p.name for p in opt_params))
-    if verbose and world.rank == 0:
-        logger.warning("mindzero: zero_stage=%d, group size %d\n%s", config.zero_stage, world.group_size,
-                       plan.summary())
+    if verbose and world.world_rank == 0:
+        groups = (f"op group {world.group_size} ({world.group!r}) x {world.replicas} replicas "
+                  f"(dp group {world.dp_group!r})" if world.hybrid else f"group size {world.group_size}")
+        logger.warning("mindzero: zero_stage=%d, %s\n%s", config.zero_stage, groups, plan.summary())
     return train_net
 
 

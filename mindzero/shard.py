@@ -60,7 +60,7 @@ class GatherFull(nn.Cell):
         self.reduce_scatter = ReduceScatterSum(world, spec.padding)
         self.numel = spec.numel
         self.shape = tuple(spec.shape)
-        self.inv_group = 1.0 / world.group_size
+        self.inv_group = 1.0 / world.world_size  # the mean is over every rank, replicas included
 
     def construct(self, shard):
         full = self.gather(shard)[:self.numel].reshape(self.shape)

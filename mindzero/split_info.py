@@ -3,7 +3,7 @@
 One file per rank, ``params_split_info_<rank>.json``, in the checkpoint directory::
 
     {"format_version": 1, "run_id": "...", "stage": 3, "group_size": 2, "rank": 0, "step": 10,
-     "format": "ckpt", "plan_fingerprint": "...",
+     "format": "ckpt", "plan_fingerprint": "...", "replicas": 1, "replica": 0,
      "tensors": [{"name": "dense.weight", "kind": "parameter", "param": "dense.weight",
                   "shape": [7, 15], "dtype": "float32", "sharded": true, "replicated_reason": "",
                   "shard_size": 53, "padding": 1, "offset": 0, "file": "rank_0.ckpt",
@@ -19,6 +19,12 @@ plan shards it), the ``shard_size``, total ``padding`` and this rank's
 not sharded is stored whole: identical replicated tensors once (by rank 0, the
 ``file`` every rank names), per-rank buffers such as BatchNorm statistics in each
 rank's own file (a merge takes rank 0's). :func:`placement` is the rule.
+
+With hybrid sharding ``group_size`` is the op group size and ``rank`` the shard index;
+``replicas`` says how many copies of the op group the run had and ``replica`` which one
+wrote the files (replica 0; the others hold the same shards and write nothing), so a
+hybrid checkpoint is a ``group_size``-way checkpoint: it merges, resumes with any number
+of replicas, and reshards like any other.
 
 Pure Python (no MindSpore): the merge and reshard tools use it with :mod:`mindzero.plan`.
 """
@@ -77,6 +83,8 @@ class SplitInfo:
     format: str
     plan_fingerprint: str
     tensors: tuple = field(default_factory=tuple)
+    replicas: int = 1  # hybrid sharding: copies of the op group (group_size ranks each) in the run
+    replica: int = 0  # which copy wrote these shards (always 0: the others hold the same ones)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
@@ -128,6 +136,14 @@ class SplitInfo:
                                      f"expected one of {KINDS}")
             tensors.append(entry)
         fields = {k: raw[k] for k in expect if k != "tensors"}
+        for key in ("replicas", "replica"):  # optional: absent in checkpoints of runs without hybrid sharding
+            value = raw.get(key, 1 if key == "replicas" else 0)
+            if not isinstance(value, int) or value < (1 if key == "replicas" else 0):
+                raise SplitInfoError(f"{path}: field {key!r} must be a non-negative int (replicas >= 1), "
+                                     f"got {value!r}")
+            fields[key] = value
+        if fields["replica"] >= fields["replicas"]:
+            raise SplitInfoError(f"{path}: replica {fields['replica']} is outside replicas {fields['replicas']}")
         return SplitInfo(**fields, tensors=tuple(tensors), format_version=version)
 
     def by_name(self) -> dict:

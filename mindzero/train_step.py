@@ -39,12 +39,12 @@ class Identity(nn.Cell):
 
 
 class MeanAllReduce(nn.Cell):
-    """Mean of a full gradient over the group (as ``DistributedGradReducer`` with ``mean=True``)."""
+    """Mean of a full gradient over the world (as ``DistributedGradReducer`` with ``mean=True``)."""
 
     def __init__(self, world: World):
         super().__init__(auto_prefix=False)
-        self.sum = AllReduceSum(world)
-        self.inv_group = 1.0 / world.group_size
+        self.sum = AllReduceSum(world, "world")
+        self.inv_group = 1.0 / world.world_size
 
     def construct(self, grad):
         grad = self.sum(grad)
@@ -52,12 +52,12 @@ class MeanAllReduce(nn.Cell):
 
 
 class MeanReduceScatter(nn.Cell):
-    """Mean over the group of a full local gradient, keeping this rank's padded 1D shard."""
+    """Mean over the world of a full local gradient, keeping this rank's padded 1D shard of the op group."""
 
     def __init__(self, padding: int, world: World):
         super().__init__(auto_prefix=False)
         self.reduce_scatter = ReduceScatterSum(world, padding)
-        self.inv_group = 1.0 / world.group_size
+        self.inv_group = 1.0 / world.world_size
 
     def construct(self, grad):
         grad = self.reduce_scatter(grad.reshape((-1,)))
@@ -137,7 +137,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.clip_grad = config.clip_grad
         self.clip_norm = float(config.clip_norm)
         self.any_rank = AnyRank(world)
-        self.sum_over_group = AllReduceSum(world)
+        self.sum_over_group = AllReduceSum(world, "op")  # each shard once, not once per replica
         self.set_train(True)
 
     def construct(self, *inputs):

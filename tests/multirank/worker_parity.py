@@ -44,7 +44,8 @@ def data(model_cls, step, rank, micro=0, n=None):
     return [Tensor(a) for a in arrays]
 
 
-def run(scn, world):
+def run(scn, world, groups=None):
+    """Train one scenario; ``groups``: ``(optimizer_parallel_group, dp_group)`` for hybrid sharding."""
     net = build(scn["model"])
     init_params = {"init/" + p.name: p.asnumpy().copy() for p in net.trainable_params()}
     cls = type(net)
@@ -57,7 +58,9 @@ def run(scn, world):
         scale = nn.DynamicLossScaleUpdateCell(2.0 ** 12, 2, 50) if scn.get("dynamic_scale") else 1.0
         train = mindzero.prepare_train_network(net, opt, scale_sense=scale, zero_stage=scn["stage"],
                                                gradient_accumulation_steps=k, clip_grad=scn.get("clip", False),
-                                               clip_norm=scn.get("clip_norm", 1.0))
+                                               clip_norm=scn.get("clip_norm", 1.0),
+                                               **(dict(zip(("optimizer_parallel_group", "dp_group"), groups))
+                                                  if groups else {}))
     losses, overflows, scales = [], [], []
     for step in range(STEPS):
         if scn["stage"] == "dp" and k > 1:  # plain DP on the concatenated micro-batches
@@ -85,6 +88,7 @@ def run(scn, world):
     else:
         params = mindzero.gather_full_state_dict(train)
         memory = mindzero.memory_report(train)
+    run.last_train = train
     return dict(losses=np.array(losses), overflows=np.array(overflows), scales=np.array(scales),
                 **{"param/" + n: v for n, v in params.items()}), memory
 

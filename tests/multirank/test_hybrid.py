@@ -1,0 +1,121 @@
+"""Hybrid sharding on 4 CPU ranks, op groups of 2 (``create_hybrid_groups(2)``: (0,1), (2,3); dp groups
+(0,2), (1,3)): every stage equals plain data parallel over the 4 ranks, a hybrid checkpoint merges,
+resumes and reshards, and broken layouts fail on every rank with a clear message. One launch
+(``worker_hybrid.py``)."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mindzero.local_launch import msrun
+from mindzero.merge import merge_checkpoint, reshard_checkpoint
+from mindzero.ckpt_io import open_reader
+from test_parity import assert_same_run, load, rel_err
+
+HERE = Path(__file__).resolve().parent
+N = 4
+MODELS = ["mixed", "awkward", "gpt", "resnet"]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hybrid")
+    msrun(HERE / "worker_hybrid.py", N, out, timeout=1800)
+    return out
+
+
+def test_layout_and_group_collectives(out):
+    for r in range(N):
+        c = json.loads((out / f"rank_{r}" / "collectives.json").read_text())
+        assert c["layout"] == dict(group_size=2, rank=r % 2, replicas=2, replica=r // 2,
+                                   members=[2 * (r // 2), 2 * (r // 2) + 1]), c
+        assert c["all_gather_ok"] and c["op_sum_ok"] and c["world_sum_ok"], c
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("model", MODELS)
+def test_hybrid_equals_plain_data_parallel(out, model, stage):
+    for r in range(N):
+        assert_same_run(load(out, r, f"{model}-h{stage}"), load(out, r, f"{model}-dp"),
+                        f"{model} hybrid stage {stage} vs DP over 4 ranks, rank {r}")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_clip_equals_flat_stage0_clip(out, stage):
+    for r in range(N):
+        assert_same_run(load(out, r, f"clip-h{stage}"), load(out, r, "clip-dp0"), f"clip stage {stage} rank {r}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hybrid_accumulation_equals_plain_data_parallel(out, stage):
+    """K=4 micro-batches of 2 (gradient buffers sharded over the op group) equal plain DP over 4 ranks
+    on the concatenated batch of 8."""
+    for r in range(N):
+        got, dp = load(out, r, f"accum-h{stage}"), load(out, r, "accum-dp")
+        micro_means = got["losses"].reshape(-1, 4).mean(axis=1)
+        assert len(dp["losses"]) == 10 and rel_err(micro_means, dp["losses"]) <= 1e-5, (micro_means, dp["losses"])
+        names = [k for k in dp if k.startswith("param/") and not k.endswith("@init")]
+        assert names
+        for k in names:
+            assert rel_err(got[k], dp[k]) <= 1e-5, f"accum stage {stage} {k}: {rel_err(got[k], dp[k]):.2e}"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_overflow_on_one_rank_is_skipped_by_both_replicas(out, stage):
+    """inf in rank 3's input at step 4 (replica 1): all 4 ranks skip, the scale halves, and the run
+    equals flat stage 0's."""
+    for r in range(N):
+        got = load(out, r, f"overflow-h{stage}")
+        assert got["overflows"].tolist() == [i == 4 for i in range(10)], (r, got["overflows"])
+        assert got["scales"][4] == 2.0 ** 12 and got["scales"][5] == 2.0 ** 11, got["scales"]
+        assert_same_run(got, load(out, r, "overflow-dp0"), f"overflow stage {stage} rank {r}")
+
+
+def test_memory_divides_by_the_op_group(out):
+    mem = json.loads((out / "rank_0" / "memory.json").read_text())
+    h3, h0 = mem["mixed-h3"], mem["mixed-h0"]
+    assert h3["group_size"] == 2 and h3["replicas"] == 2
+    for kind in ("parameters", "optimizer_states"):
+        assert h3[kind] == h3["expected"][kind], (kind, h3)
+        assert h3[kind] <= 0.55 * h0[kind], (kind, h3[kind], h0[kind])  # 1/2 plus padding, not 1/4
+
+
+def test_hybrid_checkpoint_resumes_merges_and_reshards(out, tmp_path):
+    ckpt = out / "ckpt_hybrid"
+    infos = [json.loads((ckpt / f"params_split_info_{r}.json").read_text()) for r in range(2)]
+    assert [(i["group_size"], i["rank"], i["replicas"], i["replica"]) for i in infos] == [(2, 0, 2, 0), (2, 1, 2, 0)]
+    assert not (ckpt / "params_split_info_2.json").exists()  # replica 1 holds the same shards: not written
+    for r in range(N):
+        with np.load(out / f"rank_{r}" / "ckpt_state.npz") as f:
+            names = [k[len("saved/"):] for k in f.files if k.startswith("saved/")]
+            for n in names:  # a fresh hybrid step loaded it exactly, on both replicas
+                np.testing.assert_array_equal(f["loaded/" + n], f["saved/" + n], err_msg=f"rank {r} {n}")
+    with np.load(out / "rank_0" / "ckpt_state.npz") as f:
+        saved = {k[len("saved/"):]: f[k] for k in f.files if k.startswith("saved/")}
+    merged = tmp_path / "merged.ckpt"
+    merge_checkpoint(ckpt, merged, log=None)
+    reader = open_reader(merged)
+    for n, v in saved.items():
+        np.testing.assert_array_equal(reader.read(n), v, err_msg=n)
+    # from hybrid (2-way shards) to 4 ranks at stage 1, and back to a 2-way stage-3 layout
+    flat4, back = tmp_path / "flat4", tmp_path / "back"
+    reshard_checkpoint(ckpt, flat4, world_size=4, stage=1, log=None)
+    reshard_checkpoint(flat4, back, world_size=2, stage=3, log=None)
+    for src in (flat4, back):
+        out_file = tmp_path / f"{src.name}.ckpt"
+        merge_checkpoint(src, out_file, log=None)
+        again = open_reader(out_file)
+        for n, v in saved.items():
+            assert rel_err(again.read(n), v) == 0, (src.name, n)
+
+
+def test_layout_errors_are_clear_on_every_rank(out):
+    for r in range(N):
+        m = json.loads((out / f"rank_{r}" / "layout_errors.json").read_text())
+        assert "optimizer_parallel_group='mindzero_op2_0' is a sub-group, so dp_group must name" in m["no_dp_group"] \
+            and "dp_group=None" in m["no_dp_group"], m["no_dp_group"]
+        assert f"rank {r}: " in m["overlapping"] and "rank 1 is in two groups" in m["overlapping"] \
+            and "must not overlap" in m["overlapping"], m["overlapping"]
+        assert "size=3: must be a positive divisor of the world size 4" in m["not_dividing"], m["not_dividing"]
+        assert "is in two groups" in m["one_rank_flat"], m["one_rank_flat"]
