@@ -88,7 +88,7 @@ def mib(x) -> str:
 
 
 def run_stage(stage, cfg, ids, tok, world, out: Path, resume: bool, stop_after: int, log):
-    t, g = cfg["train"], cfg["generate"]
+    t = cfg["train"]
     k, steps = t["gradient_accumulation_steps"], t["steps"]
     run_dir = out / f"stage_{stage}"
     ckpt_root = run_dir / "checkpoints"

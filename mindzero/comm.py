@@ -1,24 +1,29 @@
 """The only home of collectives in mindzero.
 
 Every collective the train step, stage-3 parameters and the checkpoint code
-use is built here, for one op group, chosen by device target:
+use is built here, chosen by device target. Scopes: the *op group* (the ranks
+a tensor is sharded over, ``G``) and the *world* (``N``; with hybrid sharding
+``R = N / G`` replicas of the op group, see :mod:`mindzero.layout`):
 
-==================  ==========================  =========================================
-operation           GPU / Ascend                CPU (MindSpore 2.10)
-==================  ==========================  =========================================
-all-gather          ``ops.AllGather``           ``ops.AllGather`` (world group only)
-reduce-scatter      ``ops.ReduceScatter(SUM)``  emulated: ``AllReduce(SUM)`` of the whole
-                                                (unpadded) tensor, then this rank's slice;
-                                                it moves ~2x the bytes of a real one
-all-reduce (sum)    ``ops.AllReduce(SUM)``      ``ops.AllReduce(SUM)`` (SUM only)
-any-rank flag       ``AllReduce(SUM)`` of 0/1   the same (CPU has no MAX reduction)
-==================  ==========================  =========================================
+=========================  ===================================  ==============================================
+operation                  GPU / Ascend                         CPU (MindSpore 2.10: world group only, no RS)
+=========================  ===================================  ==============================================
+all-gather (op group)      ``AllGather(op group)``              ``AllGather(world)``; hybrid: keep the op
+                                                                group's rows (R x the bytes)
+reduce-scatter (sum over   ``ReduceScatter(op group)``; hybrid  ``AllReduce(world)`` of the whole unpadded
+world, shard over op)      + ``AllReduce(dp group)`` of shard   tensor, then this rank's slice (~2x the bytes
+                                                                of a real one; bit-identical to stage 0)
+all-reduce (world)         ``AllReduce(world)``                 ``AllReduce(world)`` (SUM only)
+all-reduce (op group)      ``AllReduce(op group)``              hybrid: each replica fills its slot of an
+                                                                (R, ...) zero tensor, ``AllReduce(world)``
+any-rank flag (world)      ``AllReduce(SUM)`` of 0/1            the same (CPU has no MAX reduction)
+=========================  ===================================  ==============================================
 
-With an op group of one rank every operation is the identity, so one process
+With a world of one rank every operation is the identity, so one process
 without ``mindspore.communication.init()`` runs every stage.
 
-All collectives here must be entered by **every rank of the group in the same
-order**; the train step guarantees it by building the same plan on every rank.
+All collectives here must be entered by **every rank in the same order**; the
+train step guarantees it by building the same plan on every rank.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ SHAPES = [(7, 15), (17, 257), (1,), (), (4, 4), (3, 1, 5), (1000,), (2, 3, 5, 7)
 
 
 def test_no_mindspore_import():
-    code = "import sys, mindzero, mindzero.plan, mindzero.config, mindzero.memory, mindzero.launch, mindzero.local_launch; print('mindspore' in sys.modules)"
+    code = "import sys, mindzero, mindzero.plan, mindzero.config, mindzero.memory, mindzero.launch, mindzero.local_launch, mindzero.layout; print('mindspore' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out
 
