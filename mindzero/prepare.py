@@ -133,7 +133,10 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
         clip_grad, clip_norm: clip by the global norm over all shards.
         verbose: log the partition plan on rank 0.
         zero_stage: 0 (plain data parallel), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters).
-        optimizer_parallel_group, dp_group: ``None`` or the world group (sub-groups not implemented).
+        optimizer_parallel_group, dp_group: ``None`` (or the world group) to shard over the whole world;
+            or, for hybrid sharding, the name of this rank's op group (the ranks it shards with) and of its
+            dp group (the ranks holding the same shard in the other op groups); see
+            :func:`mindzero.create_hybrid_groups` and docs/hybrid.md.
         ema, updates, optimizer_offload, comm_fusion, parallel_modules: mindone's arguments;
             the non-default values raise ``NotImplementedError`` naming the argument.
 
