@@ -9,5 +9,6 @@ setup(
     install_requires=["mindspore==2.10.0", "numpy<2", "pyyaml"],
     extras_require={"test": ["pytest"]},
     entry_points={"console_scripts": ["mindzero-merge=mindzero.merge:main_merge",
-                                      "mindzero-reshard=mindzero.merge:main_reshard"]},
+                                      "mindzero-reshard=mindzero.merge:main_reshard",
+                                      "mindzero-estimate=mindzero.estimate:main"]},
 )

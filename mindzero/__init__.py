@@ -10,6 +10,7 @@ need MindSpore are imported on first use.
 from importlib import import_module
 
 from .config import STAGES, StagePolicy, ZeroConfig, stage_policy
+from .estimate import estimate_memory
 from .memory import expected_bytes
 from .layout import HybridLayout, LayoutError
 from .plan import ParamInfo, PartitionPlan, ShardSpec
@@ -31,7 +32,7 @@ _LAZY = {
 }
 
 __all__ = sorted(["STAGES", "StagePolicy", "ZeroConfig", "stage_policy", "expected_bytes", "ParamInfo",
-                  "PartitionPlan", "ShardSpec", "HybridLayout", "LayoutError", *_LAZY])
+                  "PartitionPlan", "ShardSpec", "HybridLayout", "LayoutError", "estimate_memory", *_LAZY])
 
 
 def __getattr__(name):

@@ -190,3 +190,20 @@ def test_memory_report(run, stage):
             assert ak["gradients"] * n == a0["gradients"] + 4 * pad
         else:
             assert ak["gradients"] == a0["gradients"]
+
+
+@pytest.mark.parametrize("name,accum", [("awkward", False), ("accum", True)])
+def test_measured_memory_agrees_with_estimate(run, name, accum):
+    """memory_report (bytes of the tensors each rank holds) vs estimate_memory before any run, on the
+    awkward-shapes net ((7, 15), (17, 257), (1,), scalar: nothing divides evenly): within 1%."""
+    from mindzero import estimate_memory
+    from models import build
+
+    n, out = run
+    net = build("awkward")
+    for r in range(n):
+        mem = json.loads((out / f"rank_{r}" / "memory.json").read_text())
+        for stage in (1, 2, 3) if accum else (0, 1, 2, 3):
+            got, est = mem[f"{name}-{stage}"], estimate_memory(net, stage, n, "adam", gradient_accumulation=accum)
+            for kind in ("parameters", "gradients", "optimizer_states"):
+                assert abs(got[kind] - est[kind]) <= 0.01 * max(est[kind], 1), (r, stage, kind, got[kind], est[kind])

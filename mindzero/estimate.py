@@ -1,0 +1,148 @@
+"""Per-rank memory before step 1: ``estimate_memory`` and the ``mindzero-estimate`` tool (pure Python).
+
+The estimate is the partition plan's arithmetic (:func:`mindzero.memory.expected_bytes`) on the
+parameter shapes, so it counts padding and replicated parameters exactly as ``prepare_train_network``
+will; ``memory_report(train_net)`` is the measured side. Beside it, the ZeRO paper's formulas for
+``Φ`` parameters on ``N`` ranks (arXiv 1910.02054, K = 12 for mixed-precision Adam):
+
+=====  ==================  =====================================================
+stage  paper (fp16 + fp32   mindzero, parameters trained in fp32, Adam, with
+       master, Adam)        gradient accumulation buffers (what it allocates)
+=====  ==================  =====================================================
+0      2Φ + 2Φ + 12Φ = 16Φ  4Φ + 4Φ + 8Φ = 16Φ
+1      4Φ + 12Φ/N           8Φ + 12Φ/N  (moments 8Φ/N + fp32 master shard 4Φ/N)
+2      2Φ + 14Φ/N           4Φ + 16Φ/N
+3      16Φ/N                16Φ/N
+=====  ==================  =====================================================
+
+Without accumulation the gradients exist only inside the step (not counted as persistent).
+
+``python -m mindzero.estimate --params 100M --group-sizes 2,4,8`` (console script ``mindzero-estimate``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from .config import stage_policy
+from .memory import KINDS, expected_bytes
+from .plan import ParamInfo, PartitionPlan
+
+# per-parameter state tensors of each optimizer (as mindzero's memory report counts them)
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "sgd": 2, "momentum": 1}
+
+
+def paper_formula(phi: int, stage: int, group_size: int, mixed_precision: bool = True, n_states: int = 2) -> dict:
+    """The ZeRO paper's per-rank bytes by kind for ``phi`` parameters (mixed precision: fp16 parameters
+    and gradients, fp32 master copy and ``n_states`` fp32 moments: K = 4 + 4 * n_states); with
+    ``mixed_precision=False`` the fp32 version mindzero allocates (see the module table)."""
+    n = group_size
+    if mixed_precision:
+        k = 4 + 4 * n_states
+        return {"parameters": 2 * phi / n if stage >= 3 else 2 * phi,
+                "gradients": 2 * phi / n if stage >= 2 else 2 * phi,
+                "optimizer_states": k * phi / n if stage >= 1 else k * phi}
+    moments = 4 * n_states * phi
+    return {"parameters": 4 * phi / n if stage >= 3 else 4 * phi,
+            "gradients": 4 * phi / n if stage >= 2 else 4 * phi,
+            "optimizer_states": moments if stage == 0 else (moments + 4 * phi) / n if stage < 3 else moments / n}
+
+
+def _param_infos(network_or_param_shapes, mixed_precision: bool):
+    dtype = "float16" if mixed_precision else "float32"
+    if hasattr(network_or_param_shapes, "get_parameters"):  # a MindSpore Cell
+        return [ParamInfo(p.name, tuple(p.shape), str(p.dtype).lower(), bool(p.requires_grad),
+                          bool(getattr(p, "parallel_optimizer", True)))
+                for p in network_or_param_shapes.get_parameters()]
+    if isinstance(network_or_param_shapes, dict):
+        items = list(network_or_param_shapes.items())
+    else:
+        items = [(f"param_{i}", s) for i, s in enumerate(network_or_param_shapes)]
+    out = []
+    for name, shape in items:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if any(not isinstance(d, int) or d < 0 for d in shape):
+            raise ValueError(f"network_or_param_shapes: {name!r} has shape {shape!r}; dimensions must be ints >= 0")
+        out.append(ParamInfo(name, shape, dtype))
+    return out
+
+
+def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, optimizer: str = "adamw",
+                    mixed_precision: bool = False, gradient_accumulation: bool = True) -> dict:
+    """Bytes per rank by kind that ``prepare_train_network`` will allocate, and the paper's formula.
+
+    Args:
+        network_or_param_shapes: a Cell (its parameters, dtypes and opt-outs), a ``{name: shape}``
+            dict or a list of shapes (dtype float32, or float16 with ``mixed_precision``).
+        zero_stage: 0-3. group_size: ranks the state is sharded over (the op group).
+        optimizer: ``adamw``, ``adam``, ``sgd``, ``momentum`` (sets the state tensors per parameter).
+        gradient_accumulation: count the persistent gradient buffers (``gradient_accumulation_steps > 1``).
+
+    Returns:
+        ``{"parameters", "gradients", "optimizer_states", "total": int, "phi": int,
+        "formula": {kind: float, "total": float}, ...}`` (also ``optimizer_moments``, ``master_shards``).
+
+    Raises:
+        ValueError: a bad stage, group size, optimizer or shape (the message names it).
+    """
+    policy = stage_policy(zero_stage)
+    key = str(optimizer).lower()
+    if key not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZER_STATES)}")
+    infos = _param_infos(network_or_param_shapes, mixed_precision)
+    plan = PartitionPlan.build(infos, group_size, 0)
+    out = expected_bytes(plan, policy, OPTIMIZER_STATES[key], gradient_accumulation)
+    out["total"] = sum(out[k] for k in KINDS)
+    phi = sum(math.prod(i.shape) for i in infos if i.optimized)
+    formula = paper_formula(phi, zero_stage, group_size, mixed_precision, OPTIMIZER_STATES[key])
+    formula["total"] = sum(formula.values())
+    out.update(phi=phi, formula=formula, stage=zero_stage, group_size=group_size)
+    return out
+
+
+def _count(text: str) -> int:
+    units = {"k": 10 ** 3, "m": 10 ** 6, "b": 10 ** 9, "g": 10 ** 9}
+    t = text.strip().lower()
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--params {text!r}: expected a count such as 125000000 or 125M") from None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="mindzero-estimate", description="Per-rank memory of ZeRO stages 0-3 "
+                                 "(plan arithmetic, padding included) next to the ZeRO paper's formulas.")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=_count, help="number of parameters (one flat tensor), e.g. 125M")
+    src.add_argument("--shapes", help="JSON file {name: shape} of the model's parameters")
+    ap.add_argument("--group-sizes", default="2,4,8", help="comma-separated op group sizes")
+    ap.add_argument("--stages", default="0,1,2,3")
+    ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
+    ap.add_argument("--mixed-precision", action="store_true", help="fp16 parameters (paper's mixed-precision formula)")
+    ap.add_argument("--no-accumulation", action="store_true", help="no persistent gradient buffers")
+    ap.add_argument("--json", help="also write the rows to this JSON file")
+    a = ap.parse_args(argv)
+    shapes = [a.params] if a.params is not None else json.loads(open(a.shapes).read())
+    rows = []
+    print("| stage | N | params MiB | grads MiB | optimizer MiB | total MiB | paper formula MiB | formula |")
+    print("|---|---|---|---|---|---|---|---|")
+    names = {0: "16Φ", 1: "4Φ+12Φ/N", 2: "2Φ+14Φ/N", 3: "16Φ/N"} if a.mixed_precision else \
+        {0: "16Φ", 1: "8Φ+12Φ/N", 2: "4Φ+16Φ/N", 3: "16Φ/N"}
+    mib = 2 ** 20
+    for n in (int(x) for x in a.group_sizes.split(",")):
+        for stage in (int(x) for x in a.stages.split(",")):
+            e = estimate_memory(shapes, stage, n, a.optimizer, a.mixed_precision, not a.no_accumulation)
+            rows.append({k: e[k] for k in ("stage", "group_size", "phi", "total", *KINDS)} | {"formula": e["formula"]})
+            print(f"| {stage} | {n} | {e['parameters'] / mib:.1f} | {e['gradients'] / mib:.1f} | "
+                  f"{e['optimizer_states'] / mib:.1f} | {e['total'] / mib:.1f} | {e['formula']['total'] / mib:.1f} | "
+                  f"{names.get(stage, '')} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""estimate_memory and mindzero-estimate (pure): the ZeRO formulas, padding, replicated parameters."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mindzero.estimate import estimate_memory, main, paper_formula
+
+PHI = 8 * 1024  # divisible by every group size below: plan arithmetic equals the formula exactly
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp32_estimate_equals_formula_when_shapes_divide(stage, n):
+    e = estimate_memory([(PHI // 8, 8)], stage, n, "adamw")
+    want = {0: 16 * PHI, 1: 8 * PHI + 12 * PHI / n, 2: 4 * PHI + 16 * PHI / n, 3: 16 * PHI / n}[stage]
+    assert e["total"] == want == e["formula"]["total"], (e, want)
+    for kind in ("parameters", "gradients", "optimizer_states"):
+        assert e[kind] == e["formula"][kind], kind
+
+
+@pytest.mark.parametrize("stage,expr", [(0, lambda p, n: 16 * p), (1, lambda p, n: 4 * p + 12 * p / n),
+                                        (2, lambda p, n: 2 * p + 14 * p / n), (3, lambda p, n: 16 * p / n)])
+def test_paper_mixed_precision_formulas(stage, expr):
+    for n in (2, 4, 64):
+        f = paper_formula(10 ** 6, stage, n, mixed_precision=True)
+        assert sum(f.values()) == pytest.approx(expr(10 ** 6, n))
+
+
+def test_mixed_precision_estimate_counts_fp16_parameters():
+    e = estimate_memory([PHI], 3, 4, "adamw", mixed_precision=True)
+    assert e["parameters"] == 2 * PHI / 4 and e["gradients"] == 2 * PHI / 4
+
+
+def test_odd_shapes_pay_only_padding():
+    shapes = {"w": (7, 15), "b": (17, 257), "s": (1,), "x": ()}
+    phi = 7 * 15 + 17 * 257 + 1 + 1
+    for n in (2, 3, 4, 8):
+        e = estimate_memory(shapes, 3, n, "adam")
+        assert e["phi"] == phi
+        assert 16 * phi / n <= e["total"] <= 16 * (phi + 4 * (n - 1)) / n, (n, e["total"])  # < one element per tensor
+
+
+def test_no_accumulation_has_no_persistent_gradients_and_momentum_has_one_state():
+    assert estimate_memory([PHI], 2, 4, gradient_accumulation=False)["gradients"] == 0
+    assert estimate_memory([PHI], 0, 4, "momentum")["optimizer_states"] == 4 * PHI
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(zero_stage=4, group_size=2), "zero_stage"),
+    (dict(zero_stage=1, group_size=0), "group_size"),
+    (dict(zero_stage=1, group_size=2, optimizer="rmsprop"), "optimizer='rmsprop'"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        estimate_memory([PHI], **kwargs)
+    with pytest.raises(ValueError, match="dimensions must be ints >= 0"):
+        estimate_memory({"w": (3, -1)}, 1, 2)
+
+
+def test_cli_table_and_json(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert main(["--params", "100M", "--group-sizes", "2,4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| 3 | 4 | 95.4 | 95.4 | 190.7 | 381.5 | 381.5 | 16Φ/N |" in text, text
+    rows = json.loads(out.read_text())
+    assert len(rows) == 8 and rows[0]["total"] == 16 * 10 ** 8
+
+
+def test_cli_runs_without_mindspore():
+    code = "import sys; from mindzero.estimate import main; main(['--params', '1000']); print('mindspore' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip().endswith("False"), res.stdout
