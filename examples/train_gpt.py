@@ -71,9 +71,13 @@ def build(cfg, vocab, stage, verbose):
     return train
 
 
+def complete_checkpoints(ckpt_root: Path) -> list:
+    """The complete checkpoints under ``ckpt_root``, oldest first (``.partial`` leftovers of a crash are skipped)."""
+    return sorted(p for p in ckpt_root.glob("step_*") if (p / COMPLETE).is_file() and p.suffix != ".partial")
+
+
 def latest_checkpoint(ckpt_root: Path):
-    """The newest complete checkpoint under ``ckpt_root`` (``.partial`` leftovers of a crash are skipped)."""
-    done = sorted(p for p in ckpt_root.glob("step_*") if (p / COMPLETE).is_file() and p.suffix != ".partial")
+    done = complete_checkpoints(ckpt_root)
     return done[-1] if done else None
 
 
@@ -151,7 +155,7 @@ def save(train, ckpt_root, step, history, run_dir, keep, world, log):
     mindzero.save_checkpoint(train, path, step=step)  # collective; complete on every rank when it returns
     if world.rank == 0:
         write_json(run_dir / "history.json", history)
-        old = sorted(p for p in ckpt_root.glob("step_*") if (p / COMPLETE).is_file())[:-keep] if keep else []
+        old = complete_checkpoints(ckpt_root)[:-keep] if keep else []
         for p in old:
             shutil.rmtree(p)
         log(f"saved {path}" + (f" (removed {', '.join(p.name for p in old)})" if old else ""))

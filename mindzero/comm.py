@@ -77,10 +77,6 @@ class World:
         return self.world_size > 1 and self.device not in _REAL_REDUCE_SCATTER
 
     @property
-    def emulated_reduce_scatter(self) -> bool:
-        return self.emulated
-
-    @property
     def writes_shards(self) -> bool:
         """Replica 0 writes the shard files of a checkpoint (the other replicas hold the same shards)."""
         return self.replica == 0

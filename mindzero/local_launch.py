@@ -208,12 +208,10 @@ def launch(script, world_size: int, out_dir, args=(), timeout: float = 900.0, no
     for p, o in zip(procs, outs):
         p.wait()
         o.close()
-    launcher_out = "\n".join((out_dir / "logs" / f"launcher_{i}.out").read_text(errors="replace")
-                             for i in range(len(cmds)))
-    codes = [0 if c and _lost_scheduler_race(out_dir, i, launcher_out_i) else c
-             for i, (c, launcher_out_i) in enumerate(zip(
-                 [p.returncode for p in procs],
-                 [(out_dir / "logs" / f"launcher_{i}.out").read_text(errors="replace") for i in range(len(cmds))]))]
+    texts = [(out_dir / "logs" / f"launcher_{i}.out").read_text(errors="replace") for i in range(len(cmds))]
+    launcher_out = "\n".join(texts)
+    codes = [0 if p.returncode and _lost_scheduler_race(out_dir, i, text) else p.returncode
+             for i, (p, text) in enumerate(zip(procs, texts))]
     missing = [r for r in range(world_size) if not (out_dir / f"rank_{r}.done").exists()]
     if timed_out or any(codes) or missing:
         first = first_failure(launcher_out, pid_ranks)

@@ -11,15 +11,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-import mindspore as ms
-from mindspore import nn
-from mindspore.communication import init
+from mindspore import Tensor, nn
 
 import mindzero
 from mindzero.comm import AllReduceSum, AllGather, current_world, register_group, resolve_world
-from models import build
-from worker_parity import run
-from mindspore import Tensor
+from models import build, start_data_parallel
+from worker_parity import make_optimizer, run
 
 
 def scenarios():
@@ -99,7 +96,6 @@ def check_checkpoint(out_root, out_dir, groups):
     saved = mindzero.gather_full_state_dict(train)
     scn = dict(name="ckpt", model="mixed", opt="adamw_groups", stage=3, hybrid=True)
     net = build(scn["model"], seed=5)  # other initial values: the load must overwrite them
-    from worker_parity import make_optimizer
     fresh = mindzero.prepare_train_network(net, make_optimizer(scn["opt"], net), zero_stage=3,
                                            optimizer_parallel_group=groups[0], dp_group=groups[1])
     mindzero.load_checkpoint(fresh, ckpt)
@@ -112,11 +108,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    init()
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
-    flat = current_world()
+    flat = start_data_parallel()
     groups = mindzero.create_hybrid_groups(shard_size=2)
     world = resolve_world(*groups)
     out_dir = Path(args.out) / f"rank_{flat.world_rank}"

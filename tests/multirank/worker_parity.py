@@ -11,13 +11,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import mindspore as ms
 from mindspore import Tensor, nn
-from mindspore.communication import init
 
 import mindzero
-from mindzero.comm import AnyRank, ReduceScatterSum, AllGather, current_world
-from models import build
+from mindzero.comm import AnyRank, ReduceScatterSum, AllGather
+from models import build, start_data_parallel
 
 STEPS = 10
 
@@ -144,11 +142,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default="")
     args = ap.parse_args()
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    init()
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
-    world = current_world()
+    world = start_data_parallel()
     out_dir = Path(args.out) / f"rank_{world.rank}"
     out_dir.mkdir(parents=True, exist_ok=True)
     check_collectives(world, out_dir)
