@@ -227,6 +227,7 @@ class AllGather(nn.Cell):
         size = world.group_size if scope == "op" else world.world_size
         self.identity = size == 1
         self.select = None
+        self.take = ops.Gather()
         self.rows = world.world_size
         if self.identity:
             self.op = None
@@ -244,8 +245,12 @@ class AllGather(nn.Cell):
             return x
         y = self.op(x)
         if self.select is not None:
-            y = ops.gather(y.reshape((self.rows, -1)), self.select, 0).reshape((-1,))
+            y = self.take(y.reshape((self.rows, -1)), self.select, 0).reshape((-1,))
         return y
+
+    def primitives(self) -> list:
+        """The primitives of the forward chain (for recompute)."""
+        return [p for p in (self.op, self.take if self.select is not None else None) if p is not None]
 
 
 class AllReduceSum(nn.Cell):
@@ -345,3 +350,91 @@ def shared_cell(cls, world: World, scope: str = "world"):
     if key not in _SHARED:
         _SHARED[key] = cls(world, scope)
     return _SHARED[key]
+
+
+def flat_concat(tensors):
+    """Graph mode: the tensors flattened and concatenated (no copy for one tensor)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape((-1,))
+    flat = ()
+    for t in tensors:
+        flat = flat + (t.reshape((-1,)),)
+    return ops.concat(flat)
+
+
+class FusedReduceScatterSum(nn.Cell):
+    """:class:`ReduceScatterSum` of several tensors in one collective (a ``comm_fusion`` bucket).
+
+    ``(t_0, ..., t_k) -> (shard_0, ..., shard_k)``, each shard this rank's padded 1/G of the sum over
+    the world of ``t_i`` flattened. GPU/Ascend: every tensor is zero-padded and laid out as ``(G, shard_i)``;
+    the rows are concatenated per rank so one ``ReduceScatter`` hands each rank its shard of every
+    tensor (plus, hybrid, one ``AllReduce`` over the dp group). CPU: one ``AllReduce`` over the world of
+    the unpadded tensors concatenated, then each rank slices its shards. With one tensor this is
+    exactly :class:`ReduceScatterSum`.
+    """
+
+    def __init__(self, world: World, numels, paddings):
+        super().__init__(auto_prefix=False)
+        self.single = ReduceScatterSum(world, paddings[0]) if len(numels) == 1 else None
+        self.numels = tuple(int(n) for n in numels)
+        self.paddings = tuple(int(p) for p in paddings)
+        self.group_size, self.rank = world.group_size, world.rank
+        self.shard_sizes = tuple((n + p) // world.group_size for n, p in zip(self.numels, self.paddings))
+        self.offsets = tuple(sum(self.numels[:i]) for i in range(len(self.numels)))
+        self.identity = world.world_size == 1
+        self.emulated = world.emulated
+        self.dp = None
+        if self.identity:
+            self.op = None
+        elif self.emulated:
+            self.op = ops.AllReduce(ops.ReduceOp.SUM, world.world_group)
+        else:
+            self.op = ops.ReduceScatter(ops.ReduceOp.SUM, world.group)
+            if world.hybrid:
+                self.dp = ops.AllReduce(ops.ReduceOp.SUM, world.dp_group)
+
+    def construct(self, tensors):
+        if self.single is not None:
+            return (self.single(tensors[0].reshape((-1,))),)
+        if self.identity or self.emulated:
+            flat = flat_concat(tensors)
+            if not self.identity:
+                flat = self.op(flat)
+            out = ()
+            for i in range(len(self.numels)):
+                part = flat[self.offsets[i]:self.offsets[i] + self.numels[i]]
+                out = out + (own_shard(part, self.paddings[i], 0 if self.identity else self.rank,
+                                       1 if self.identity else self.group_size),)
+            return out
+        rows = ()
+        for i in range(len(self.numels)):
+            padded = own_shard(tensors[i].reshape((-1,)), self.paddings[i], 0, 1)
+            rows = rows + (padded.reshape((self.group_size, self.shard_sizes[i])),)
+        mine = self.op(ops.concat(rows, 1).reshape((-1,)))
+        if self.dp is not None:
+            mine = self.dp(mine)
+        return ops.split(mine, self.shard_sizes)
+
+
+class FusedAllGather(nn.Cell):
+    """:class:`AllGather` (op group) of several shards in one collective (a ``comm_fusion`` bucket).
+
+    ``(shard_0, ..., shard_k) -> (padded_0, ..., padded_k)``, ``padded_i`` the ``(G * shard_size_i,)``
+    concatenation of every op-group rank's ``shard_i``. One tensor: exactly :class:`AllGather`.
+    """
+
+    def __init__(self, world: World, shard_sizes):
+        super().__init__(auto_prefix=False)
+        self.gather = AllGather(world)
+        self.shard_sizes = tuple(int(s) for s in shard_sizes)
+        self.group_size = world.group_size
+
+    def construct(self, shards):
+        if len(self.shard_sizes) == 1:
+            return (self.gather(shards[0]),)
+        rows = self.gather(flat_concat(shards)).reshape((self.group_size, -1))
+        parts = ops.split(rows, self.shard_sizes, 1)
+        out = ()
+        for part in parts:
+            out = out + (part.reshape((-1,)),)
+        return out

@@ -64,3 +64,57 @@ class ZeroConfig:
     @property
     def policy(self) -> StagePolicy:
         return stage_policy(self.zero_stage)
+
+
+FUSION_KINDS = ("allreduce", "reduce_scatter", "allgather")
+
+
+@dataclass(frozen=True)
+class FusionConfig:
+    """Bucket size in bytes per collective kind; ``None`` means one collective per tensor (no fusion)."""
+
+    allreduce: int = None
+    reduce_scatter: int = None
+    allgather: int = None
+
+    def bucket_bytes(self, kind: str):
+        return getattr(self, kind)
+
+    @property
+    def any(self) -> bool:
+        return any(getattr(self, k) is not None for k in FUSION_KINDS)
+
+
+def parse_comm_fusion(comm_fusion) -> FusionConfig:
+    """mindone's ``comm_fusion`` dict to a :class:`FusionConfig`.
+
+    ``comm_fusion`` is ``None`` (no fusion) or a dict whose keys are among ``allreduce``,
+    ``reduce_scatter`` and ``allgather``, each ``{"openstate": bool, "bucket_size": bytes}``
+    (``openstate`` defaults to ``True``). A kind left out is not fused. A tensor larger than the
+    bucket travels alone.
+
+    Raises:
+        ValueError: naming the key, the value and the rule.
+    """
+    if comm_fusion is None:
+        return FusionConfig()
+    if not isinstance(comm_fusion, dict):
+        raise ValueError(f"comm_fusion must be None or a dict such as {{'allreduce': {{'openstate': True, "
+                         f"'bucket_size': 5e8}}}}, got {comm_fusion!r}")
+    sizes = {}
+    for kind, entry in comm_fusion.items():
+        if kind not in FUSION_KINDS:
+            raise ValueError(f"comm_fusion key {kind!r} is not one of {list(FUSION_KINDS)}")
+        if not isinstance(entry, dict) or set(entry) - {"openstate", "bucket_size"}:
+            raise ValueError(f"comm_fusion[{kind!r}] must be a dict with keys 'openstate' (bool) and "
+                             f"'bucket_size' (bytes > 0), got {entry!r}")
+        state = entry.get("openstate", True)
+        if not isinstance(state, bool):
+            raise ValueError(f"comm_fusion[{kind!r}]['openstate'] must be a bool, got {state!r}")
+        if not state:
+            continue
+        size = entry.get("bucket_size")
+        if isinstance(size, bool) or not isinstance(size, numbers.Real) or not size >= 1 or size != size:
+            raise ValueError(f"comm_fusion[{kind!r}]['bucket_size'] must be a number of bytes >= 1, got {size!r}")
+        sizes[kind] = int(size)
+    return FusionConfig(**sizes)

@@ -17,7 +17,9 @@ from .config import ZeroConfig
 from .optim import check_optimizer, shard_optimizer, state_tuples
 from .plan import ParamInfo, PartitionPlan
 from .shard import check_pynative_recompute, make_shard, shard_network_parameters
-from .train_step import (GatherInto, Identity, MeanAllReduce, MeanReduceScatter, OwnSlice,
+from .comm_plan import CommShape, format_comm, spec_buckets, step_calls
+from .config import parse_comm_fusion
+from .train_step import (GatherInto, Identity, MeanAllReduce, MeanReduceScatter, OwnSlice, Reduction,
                          ZeroTrainOneStepCell)
 
 logger = logging.getLogger("mindzero")
@@ -43,7 +45,7 @@ def _scale_sense(scale_sense):
     return Parameter(Tensor(value, ms.float32), name="scale_sense", requires_grad=False), manager
 
 
-def _refuse_unimplemented(ema, updates, optimizer_offload, comm_fusion, parallel_modules):
+def _refuse_unimplemented(ema, updates, optimizer_offload, parallel_modules):
     if ema is not None:
         raise NotImplementedError("ema: exponential moving averages are not implemented in mindzero yet; pass None")
     if updates != 0:
@@ -51,9 +53,6 @@ def _refuse_unimplemented(ema, updates, optimizer_offload, comm_fusion, parallel
     if optimizer_offload:
         raise NotImplementedError("optimizer_offload=True: offloading optimizer states to the host is not "
                                   "implemented yet; pass False")
-    if comm_fusion:
-        raise NotImplementedError(f"comm_fusion={comm_fusion!r}: bucketed (fused) communication is not "
-                                  "implemented yet; pass None")
     if parallel_modules is not None:
         raise NotImplementedError("parallel_modules: user-supplied per-layer parallel wrappers are not needed "
                                   "(stage 3 works for any Cell) and not supported; pass None")
@@ -117,7 +116,7 @@ def build_plan(network, optimizer, world: World) -> PartitionPlan:
 def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates=0, drop_overflow_update=True,
                           gradient_accumulation_steps=1, clip_grad=False, clip_norm=1.0, verbose=False,
                           zero_stage=0, optimizer_offload=False, optimizer_parallel_group=None, dp_group=None,
-                          comm_fusion=None, parallel_modules=None):
+                          comm_fusion=None, parallel_modules=None, stage3_regather=True):
     """Wrap ``network`` (which returns the loss) and ``optimizer`` into a ZeRO train step.
 
     Must be called on all ranks, with the same network and optimizer structure,
@@ -137,7 +136,13 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
             or, for hybrid sharding, the name of this rank's op group (the ranks it shards with) and of its
             dp group (the ranks holding the same shard in the other op groups); see
             :func:`mindzero.create_hybrid_groups` and docs/hybrid.md.
-        ema, updates, optimizer_offload, comm_fusion, parallel_modules: mindone's arguments;
+        comm_fusion: ``None``, or mindone's dict ``{"allreduce" | "reduce_scatter" | "allgather":
+            {"openstate": bool, "bucket_size": bytes}}``: consecutive tensors share one collective up to
+            ``bucket_size`` bytes (full-tensor bytes) per bucket; results equal fusion off (docs/performance.md).
+        stage3_regather: stage 3, graph mode: all-gather each parameter again in backward instead of
+            keeping its full value alive from forward (peak gathered-parameter memory about the largest
+            layer's, at one more all-gather per parameter); ``False`` trades that memory for speed.
+        ema, updates, optimizer_offload, parallel_modules: mindone's arguments;
             the non-default values raise ``NotImplementedError`` naming the argument.
 
     Returns:
@@ -147,10 +152,13 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
         ValueError / TypeError: bad arguments (the message names the argument, value and rule).
     """
     config = ZeroConfig(zero_stage, gradient_accumulation_steps, clip_grad, clip_norm, drop_overflow_update, verbose)
+    if not isinstance(stage3_regather, bool):
+        raise ValueError(f"stage3_regather must be a bool, got {stage3_regather!r}")
     if not isinstance(network, nn.Cell):
         raise TypeError(f"network must be a mindspore.nn.Cell, got {type(network).__name__}")
+    fusion = parse_comm_fusion(comm_fusion)
     world = resolve_world(optimizer_parallel_group, dp_group)
-    _refuse_unimplemented(ema, updates, optimizer_offload, comm_fusion, parallel_modules)
+    _refuse_unimplemented(ema, updates, optimizer_offload, parallel_modules)
     policy = config.policy
     network_params = {p.name: p for p in network.get_parameters()}
     check_optimizer(optimizer, network_params, policy.shard_optimizer_states)
@@ -163,33 +171,63 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
     sharded = [s.sharded and policy.shard_optimizer_states for s in opt_specs]
 
     weights, gathers, full_params, masters, state_attrs = _shard_state(network, optimizer, opt_params, opt_specs,
-                                                                       sharded, specs, policy, world)
-    micro, boundary, norm_slicers, buffers = _gradient_path(opt_params, opt_specs, sharded, policy, config, world)
+                                                                       sharded, specs, policy, world, fusion,
+                                                                       stage3_regather)
+    micro, boundary, norm_slicers, buffers = _gradient_path(opt_params, opt_specs, sharded, policy, config, world,
+                                                            fusion)
     train_net = ZeroTrainOneStepCell(network, optimizer, weights, micro, boundary, norm_slicers,
                                      [s.sharded for s in opt_specs], gathers, full_params, masters, buffers,
                                      scale_param, manager, config, world)
+    calls = {emulated: step_calls(opt_specs, sharded, policy, CommShape(world.group_size, world.world_size, emulated),
+                                  fusion, config.gradient_accumulation_steps, config.clip_grad,
+                                  stage3_regather and ms.get_context("mode") == ms.GRAPH_MODE)
+             for emulated in (False, True)}
     train_net.zero_info = ZeroInfo(config, world, plan, tuple(state_attrs), tuple(masters), tuple(full_params),
-                                   tuple(buffers), tuple(p.name for p in opt_params))
+                                   tuple(buffers), tuple(p.name for p in opt_params), fusion,
+                                   tuple(calls[world.emulated]), tuple(calls[False]))
     if verbose and world.world_rank == 0:
-        groups = (f"op group {world.group_size} ({world.group!r}) x {world.replicas} replicas "
-                  f"(dp group {world.dp_group!r})" if world.hybrid else f"group size {world.group_size}")
-        logger.warning("mindzero: zero_stage=%d, %s\n%s", config.zero_stage, groups, plan.summary())
+        logger.warning("%s", plan_text(train_net))
     return train_net
 
 
-def _shard_state(network, optimizer, opt_params, opt_specs, sharded, specs, policy, world):
+def plan_text(train_net) -> str:
+    """The verbose log of ``prepare_train_network``: stage, groups, per-rank bytes by kind next to the
+    formula, replicated parameters with reasons, and the communication per step."""
+    from .memory import memory_report
+
+    info = train_net.zero_info
+    world, config = info.world, info.config
+    groups = (f"op group {world.group_size} ({world.group!r}) x {world.replicas} replicas "
+              f"(dp group {world.dp_group!r})" if world.hybrid else f"group size {world.group_size}")
+    fusion = ", ".join(f"{k} {info.fusion.bucket_bytes(k) / 2 ** 20:g} MiB" for k in ("allreduce", "reduce_scatter",
+                                                                                      "allgather")
+                       if info.fusion.bucket_bytes(k) is not None) or "off"
+    report = memory_report(train_net)
+    mib = 2 ** 20
+    lines = [f"mindzero: zero_stage={config.zero_stage}, {groups}, device {world.device}, "
+             f"gradient_accumulation_steps={config.gradient_accumulation_steps}, comm_fusion: {fusion}",
+             "persistent bytes per rank (measured = plan):"]
+    for kind in ("parameters", "gradients", "optimizer_states"):
+        lines.append(f"  {kind:<17} {report[kind] / mib:10.3f} MiB (plan {report['expected'][kind] / mib:.3f} MiB)")
+    lines.append(info.plan.summary())
+    lines.append(format_comm(info.calls, info.real_calls if world.emulated else None))
+    return "\n".join(lines)
+
+
+def _shard_state(network, optimizer, opt_params, opt_specs, sharded, specs, policy, world, fusion, regather):
     """Stage 3: network parameters become shards; stages 1-2: master shards plus the all-gather that writes
     them back; stages 1-3: the optimizer is re-pointed at shards.
 
     Returns:
         ``(weights, gathers, full_params, master_shards, state_attrs)``: what gradients are taken w.r.t.
-        (optimizer order), the stage 1-2 gathers with their full parameters and master shards, and the
-        optimizer's state-tuple attribute names.
+        (optimizer order), the stage 1-2 gathers (``(positions in full_params, GatherInto)`` per
+        ``allgather`` bucket) with their full parameters and master shards, and the optimizer's
+        state-tuple attribute names.
     """
     weights, targets, gathers, full_params, masters = opt_params, opt_params, [], [], []
     if policy.shard_parameters:
         check_pynative_recompute(network, specs)
-        shards = shard_network_parameters(network, specs, world)
+        shards = shard_network_parameters(network, specs, world, regather)
         weights = targets = [shards[p.name] if flag else p for p, flag in zip(opt_params, sharded)]
     elif policy.shard_optimizer_states:
         targets = []
@@ -201,7 +239,9 @@ def _shard_state(network, optimizer, opt_params, opt_specs, sharded, specs, poli
             targets.append(master)
             masters.append(master)
             full_params.append(p)
-            gathers.append(GatherInto(p, spec.numel, world))
+        gather_specs = [s for s, flag in zip(opt_specs, sharded) if flag]
+        gathers = [(b, GatherInto([gather_specs[i] for i in b], world))
+                   for b in spec_buckets(gather_specs, fusion, "allgather")]
     if policy.shard_optimizer_states:
         state_attrs = shard_optimizer(optimizer, opt_specs, targets)
     else:
@@ -209,40 +249,44 @@ def _shard_state(network, optimizer, opt_params, opt_specs, sharded, specs, poli
     return weights, gathers, full_params, masters, state_attrs
 
 
-def _gradient_path(opt_params, opt_specs, sharded, policy, config, world):
-    """Per optimizer parameter: the micro-step and boundary reductions, the slice this rank adds to the
-    global norm, and (with accumulation) the buffer: full at stages 0-1, a shard from stage 2.
+def _gradient_path(opt_params, opt_specs, sharded, policy, config, world, fusion):
+    """The micro-step and boundary reductions (bucketed per ``comm_fusion``), the slice each parameter
+    adds to the global norm, and (with accumulation) the buffers: full at stages 0-1, shards from stage 2.
 
     Returns:
-        ``(micro_reducers, boundary_reducers, norm_slicers, accum_buffers)``.
+        ``(micro, boundary, norm_slicers, accum_buffers)``: two :class:`Reduction` cells and per-parameter lists.
     """
-    micro, boundary, norm_slicers, buffers = [], [], [], []
+    n = len(opt_params)
+
+    def units(positions, kind, make):
+        specs = [opt_specs[i] for i in positions]
+        return [(tuple(positions[j] for j in b), make([specs[j] for j in b], world))
+                for b in spec_buckets(specs, fusion, kind)]
+
+    sharded_pos = [i for i in range(n) if sharded[i]]
+    micro, boundary = [], []
+    if policy.shard_parameters:
+        pass  # sharded gradients arrive reduced from GatherFull's bprop
+    elif policy.shard_gradients:
+        micro = units(sharded_pos, "reduce_scatter", MeanReduceScatter)
+    elif policy.shard_optimizer_states:
+        boundary = units(sharded_pos, "reduce_scatter", MeanReduceScatter)
+    boundary += units([i for i in range(n) if not sharded[i]], "allreduce", MeanAllReduce)
+    norm_slicers, buffers = [], []
     for p, spec, flag in zip(opt_params, opt_specs, sharded):
         # at clip time a plan-sharded gradient is a shard from stage 1 on, full at stage 0
         norm_slicers.append(OwnSlice(spec.padding, world) if spec.sharded and not flag else Identity())
-        if flag and policy.shard_parameters:
-            micro.append(Identity())  # reduced by GatherFull's bprop
-            boundary.append(Identity())
-        elif flag and policy.shard_gradients:
-            micro.append(MeanReduceScatter(spec.padding, world))
-            boundary.append(Identity())
-        elif flag:
-            micro.append(Identity())
-            boundary.append(MeanReduceScatter(spec.padding, world))
-        else:
-            micro.append(Identity())
-            boundary.append(MeanAllReduce(world))
         if config.gradient_accumulation_steps > 1:
             shape = (spec.shard_size,) if (flag and policy.shard_gradients) else tuple(p.shape)
             buffers.append(Parameter(ops.zeros(shape, p.dtype), name="zero_accum." + p.name, requires_grad=False))
-    return micro, boundary, norm_slicers, buffers
+    return Reduction(n, micro), Reduction(n, boundary), norm_slicers, buffers
 
 
 class ZeroInfo:
     """What mindzero built for a train step (read by memory reports, checkpoints and tools)."""
 
     def __init__(self, config, world, plan, state_attrs, master_shards, master_fulls, accum_buffers,
-                 opt_param_names):
+                 opt_param_names, fusion, calls, real_calls):
         self.config = config
         self.world = world
         self.plan = plan
@@ -251,3 +295,6 @@ class ZeroInfo:
         self.master_fulls = master_fulls  # ... and the full network parameter of each
         self.accum_buffers = accum_buffers
         self.opt_param_names = opt_param_names  # full parameter names in optimizer order
+        self.fusion = fusion  # FusionConfig: bucket bytes per collective kind
+        self.calls = calls  # comm_plan.Call per collective of one optimizer step, as this backend runs them
+        self.real_calls = real_calls  # the same with real reduce-scatter and sub-group collectives

@@ -61,11 +61,19 @@ class GatherFull(nn.Cell):
         self.numel = spec.numel
         self.shape = tuple(spec.shape)
         self.inv_group = 1.0 / world.world_size  # the mean is over every rank, replicas included
+        self.slice = ops.StridedSlice()
+        self.reshape = ops.Reshape()
+        self.cast = ops.Cast()
+
+    def regather(self):
+        """Recompute the gather in backward instead of keeping the full value from forward."""
+        for prim in self.gather.primitives() + [self.slice, self.reshape, self.cast]:
+            prim.recompute()
 
     def construct(self, shard):
-        full = self.gather(shard)[:self.numel].reshape(self.shape)
+        full = self.reshape(self.slice(self.gather(shard), (0,), (self.numel,), (1,)), self.shape)
         if self.compute_dtype is not None:
-            full = ops.cast(full, self.compute_dtype)
+            full = self.cast(full, self.compute_dtype)
         return full
 
     def bprop(self, shard, out, dout):
@@ -133,13 +141,17 @@ def check_pynative_recompute(network: nn.Cell, specs: dict) -> None:
                              "(the target), or do not call recompute() on it")
 
 
-def shard_network_parameters(network: nn.Cell, specs: dict, world: World) -> dict:
+def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regather: bool = True) -> dict:
     """Stage 3: replace every sharded Parameter of ``network`` by its shard, in place.
 
     Args:
         network: the user's Cell.
         specs: parameter name -> :class:`ShardSpec`; only ``sharded`` specs are touched.
         world: the op group.
+        regather: graph mode: mark each gather's primitives for recompute, so backward all-gathers
+            the parameter again instead of keeping the full value alive from forward (peak gathered
+            memory about one layer's parameters instead of the whole model's; docs/performance.md).
+            PyNative ignores it (its recompute loses the gather's ``bprop``).
 
     Returns:
         parameter name -> shard Parameter (one per full Parameter, shared by tied uses).
@@ -156,6 +168,8 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World) -> dic
             key = (param.name, compute_dtype(cell))
             if key not in gathers:
                 gathers[key] = GatherFull(spec, world, key[1])
+                if regather and ms.get_context("mode") == ms.GRAPH_MODE:
+                    gathers[key].regather()
             del cell._params[attr]
             cell.insert_param_to_cell(attr + SHARD_SUFFIX, shards[param.name])
             cell.insert_child_to_cell(GATHER_PREFIX + attr, gathers[key])

@@ -30,7 +30,8 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from .comm import AllGather, AllReduceSum, AnyRank, ReduceScatterSum, World, own_shard
+from .comm import (AllReduceSum, AnyRank, FusedAllGather, FusedReduceScatterSum, World, flat_concat,
+                   own_shard)
 
 
 class Identity(nn.Cell):
@@ -39,29 +40,76 @@ class Identity(nn.Cell):
 
 
 class MeanAllReduce(nn.Cell):
-    """Mean of a full gradient over the world (as ``DistributedGradReducer`` with ``mean=True``)."""
+    """Mean over the world of full gradients, one all-reduce for the bucket (as ``DistributedGradReducer``
+    with ``mean=True`` when the bucket holds one tensor)."""
 
-    def __init__(self, world: World):
+    def __init__(self, specs, world: World):
         super().__init__(auto_prefix=False)
         self.sum = AllReduceSum(world, "world")
         self.inv_group = 1.0 / world.world_size
+        self.shapes = tuple(tuple(s.shape) for s in specs)
+        self.sizes = tuple(s.numel for s in specs)
 
-    def construct(self, grad):
-        grad = self.sum(grad)
-        return grad * ops.cast(self.inv_group, grad.dtype)
+    def construct(self, grads):
+        if len(self.shapes) == 1:
+            grad = self.sum(grads[0])
+            return (grad * ops.cast(self.inv_group, grad.dtype),)
+        flat = self.sum(flat_concat(grads))
+        flat = flat * ops.cast(self.inv_group, flat.dtype)
+        parts = ops.split(flat, self.sizes)
+        out = ()
+        for i in range(len(self.shapes)):
+            out = out + (parts[i].reshape(self.shapes[i]),)
+        return out
 
 
 class MeanReduceScatter(nn.Cell):
-    """Mean over the world of a full local gradient, keeping this rank's padded 1D shard of the op group."""
+    """Mean over the world of full local gradients, keeping this rank's padded 1D shard of each
+    (one reduce-scatter for the bucket)."""
 
-    def __init__(self, padding: int, world: World):
+    def __init__(self, specs, world: World):
         super().__init__(auto_prefix=False)
-        self.reduce_scatter = ReduceScatterSum(world, padding)
+        self.reduce_scatter = FusedReduceScatterSum(world, [s.numel for s in specs], [s.padding for s in specs])
         self.inv_group = 1.0 / world.world_size
 
-    def construct(self, grad):
-        grad = self.reduce_scatter(grad.reshape((-1,)))
-        return grad * ops.cast(self.inv_group, grad.dtype)
+    def construct(self, grads):
+        shards = self.reduce_scatter(grads)
+        out = ()
+        for g in shards:
+            out = out + (g * ops.cast(self.inv_group, g.dtype),)
+        return out
+
+
+class Reduction(nn.Cell):
+    """Apply bucket reducers to a tuple of gradients: ``units`` are ``(positions, cell)``; ``cell`` takes the
+    gradients at ``positions`` (a tuple) and returns as many; other positions pass through."""
+
+    def __init__(self, n: int, units):
+        super().__init__(auto_prefix=False)
+        self.reducers = nn.CellList([cell for _, cell in units])
+        self.positions = tuple(tuple(pos) for pos, _ in units)
+        source = [(-1, 0)] * n
+        for u, pos in enumerate(self.positions):
+            for k, i in enumerate(pos):
+                source[i] = (u, k)
+        self.source = tuple(source)
+        self.n = n
+
+    def construct(self, grads):
+        outs = ()
+        for u in range(len(self.positions)):
+            picked = ()
+            for i in self.positions[u]:
+                picked = picked + (grads[i],)
+            outs = outs + (self.reducers[u](picked),)
+        result = ()
+        for i in range(self.n):
+            u, k = self.source[i]
+            if u < 0:
+                result = result + (grads[i],)
+            else:
+                result = result + (outs[u][k],)
+        return result
 
 
 class OwnSlice(nn.Cell):
@@ -79,17 +127,22 @@ class OwnSlice(nn.Cell):
 
 
 class GatherInto(nn.Cell):
-    """Stages 1-2: write the all-gathered master shard into the full network parameter."""
+    """Stages 1-2: all-gather a bucket of updated master shards and write each into its full network
+    parameter (one all-gather per bucket)."""
 
-    def __init__(self, full_param: Parameter, numel: int, world: World):
+    def __init__(self, specs, world: World):
         super().__init__(auto_prefix=False)
-        self.gather = AllGather(world)
-        self.numel = numel
-        self.shape = tuple(full_param.shape)
+        self.gather = FusedAllGather(world, [s.shard_size for s in specs])
+        self.numels = tuple(s.numel for s in specs)
+        self.shapes = tuple(tuple(s.shape) for s in specs)
 
-    def construct(self, full_param, shard):
-        value = self.gather(shard)[:self.numel].reshape(self.shape)
-        return ops.assign(full_param, ops.cast(value, full_param.dtype))
+    def construct(self, full_params, shards):
+        values = self.gather(shards)
+        done = ()
+        for i in range(len(self.numels)):
+            value = values[i][:self.numels[i]].reshape(self.shapes[i])
+            done = done + (ops.assign(full_params[i], ops.cast(value, full_params[i].dtype)),)
+        return done
 
 
 def map_cells(cells, values):
@@ -107,21 +160,23 @@ class ZeroTrainOneStepCell(nn.Cell):
     optimizer re-pointing); this Cell only orders them.
     """
 
-    def __init__(self, network, optimizer, weights, micro_reducers, boundary_reducers, norm_slicers,
-                 norm_sharded_flags, gathers, full_params, master_shards, accum_buffers, scale_sense, manager, config, world):
+    def __init__(self, network, optimizer, weights, micro, boundary, norm_slicers,
+                 norm_sharded_flags, gather_units, full_params, master_shards, accum_buffers, scale_sense, manager,
+                 config, world):
         super().__init__(auto_prefix=False)
         self.network = network
         self.network.set_grad()
         self.optimizer = optimizer
         self.weights = ParameterTuple(weights)
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
-        self.micro_reducers = nn.CellList(micro_reducers)
-        self.boundary_reducers = nn.CellList(boundary_reducers)
+        self.micro = micro  # Reduction: stage 2's reduce-scatter of each micro-step's gradients
+        self.boundary = boundary  # Reduction: the reductions at the accumulation boundary
         self.norm_slicers = nn.CellList(norm_slicers)
         self.sharded_idx = tuple(i for i, s in enumerate(norm_sharded_flags) if s)
         self.replicated_idx = tuple(i for i, s in enumerate(norm_sharded_flags) if not s)
-        self.gathers = nn.CellList(gathers)
-        self.gather_after_step = len(gathers) > 0
+        self.gathers = nn.CellList([cell for _, cell in gather_units])
+        self.gather_positions = tuple(tuple(pos) for pos, _ in gather_units)
+        self.gather_after_step = len(gather_units) > 0
         if self.gather_after_step:
             self.full_params = ParameterTuple(full_params)
             self.master_shards = ParameterTuple(master_shards)
@@ -145,7 +200,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         loss = self.network(*inputs)
         sens = ops.fill(loss.dtype, loss.shape, ops.cast(scale, loss.dtype))
         grads = self.grad(self.network, self.weights)(*inputs, sens)
-        grads = map_cells(self.micro_reducers, grads)
+        grads = self.micro(grads)
         if self.accum_steps == 1:
             overflow = self._apply(grads, scale)
         else:
@@ -170,7 +225,7 @@ class ZeroTrainOneStepCell(nn.Cell):
             ops.assign(buf, ops.depend(ops.zeros_like(buf), after))
 
     def _apply(self, grads, scale):
-        grads = map_cells(self.boundary_reducers, grads)
+        grads = self.boundary(grads)
         inv = ops.reciprocal(ops.cast(scale, ms.float32) * self.accum_steps)
         grads = tuple(g * ops.cast(inv, g.dtype) for g in grads)
         overflow = self.any_rank(ops.logical_not(self._all_finite(grads)))
@@ -217,8 +272,12 @@ class ZeroTrainOneStepCell(nn.Cell):
         return tuple(g * ops.cast(factor[0], g.dtype) for g in grads)
 
     def _gather_params(self, after):
-        """Stages 1-2: all-gather every master shard into its full parameter, after ``after``."""
-        for i in range(len(self.gathers)):
-            shard = ops.depend(self.master_shards[i], after)
-            after = ops.depend(after, self.gathers[i](self.full_params[i], shard))
+        """Stages 1-2: all-gather every master shard into its full parameter (one collective per bucket),
+        after ``after``."""
+        for u in range(len(self.gathers)):
+            fulls, shards = (), ()
+            for i in self.gather_positions[u]:
+                fulls = fulls + (self.full_params[i],)
+                shards = shards + (ops.depend(self.master_shards[i], after),)
+            after = ops.depend(after, self.gathers[u](fulls, shards))
         return after

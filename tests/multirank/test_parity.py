@@ -58,6 +58,42 @@ def test_collectives(run):
         assert c == dict(reduce_scatter_ok=True, all_gather_ok=True, any_rank_last=True, any_rank_none=False), (r, c)
 
 
+def test_collectives_per_step_match_the_plan(run):
+    """PyNative, one optimizer step of 2 micro-steps: the collectives really called (counted at the primitive)
+    equal ``zero_info.calls`` (the verbose log's numbers), per kind, in calls and bytes."""
+    n, out = run
+    for r in range(n):
+        counts = json.loads((out / f"rank_{r}" / "collective_counts.json").read_text())
+        assert len(counts) == 8
+        for key, c in counts.items():
+            assert c["counted"] == c["plan"], (r, key, c)
+            assert c["counted"]["all_reduce"]["calls"] > 0, (r, key)
+
+
+def test_fusion_cuts_collectives_per_step(run):
+    """comm_fusion with a bucket larger than the model: stages 0-2 issue one collective per kind instead of
+    one per tensor (the flag and clip-norm all-reduces stay); the bytes do not change."""
+    n, out = run
+    counts = json.loads((out / "rank_0" / "collective_counts.json").read_text())
+    for stage in (0, 1, 2):
+        plain, fused = counts[f"{stage}-plain"]["counted"], counts[f"{stage}-fused"]["counted"]
+        for op in plain:
+            assert fused[op]["bytes"] == plain[op]["bytes"], (stage, op)
+        assert fused["all_gather"]["calls"] == (1 if stage in (1, 2) else 0)
+        small = 2  # overflow flag and clip norm
+        per_step = {0: 1, 1: 1, 2: 2}[stage]  # stage 2 reduce-scatters each of the 2 micro-steps
+        assert fused["all_reduce"]["calls"] == per_step + small, (stage, fused)
+        assert plain["all_reduce"]["calls"] > fused["all_reduce"]["calls"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fused_equals_unfused(run, stage):
+    """Training with comm_fusion buckets (about three per kind) equals the same run without."""
+    n, out = run
+    for r in range(n):
+        assert_same_run(load(out, r, f"fused-{stage}"), load(out, r, f"clip-{stage}"), f"fused-{stage} rank {r}")
+
+
 def test_plan_mismatch_fails_on_every_rank(run):
     n, out = run
     for r in range(n):

@@ -54,7 +54,13 @@ def run(scn, world, groups=None):
         train.set_train()
     else:
         scale = nn.DynamicLossScaleUpdateCell(2.0 ** 12, 2, 50) if scn.get("dynamic_scale") else 1.0
+        fusion = None
+        if scn.get("fusion"):  # about three buckets of each kind over this model
+            bucket = sum(p.nbytes for p in net.trainable_params()) // 3
+            fusion = {kind: {"openstate": True, "bucket_size": bucket}
+                      for kind in ("allreduce", "reduce_scatter", "allgather")}
         train = mindzero.prepare_train_network(net, opt, scale_sense=scale, zero_stage=scn["stage"],
+                                               comm_fusion=fusion,
                                                gradient_accumulation_steps=k, clip_grad=scn.get("clip", False),
                                                clip_norm=scn.get("clip_norm", 1.0),
                                                **(dict(zip(("optimizer_parallel_group", "dp_group"), groups))
@@ -103,7 +109,63 @@ def scenarios():
                         dynamic_scale=True))
     for stage in ("dp", 0, 1, 2, 3):
         out.append(dict(name=f"accum-{stage}", model="awkward", opt="adam", stage=stage, accum=4))
+    for stage in (0, 1, 2, 3):  # the clip-<stage> runs with comm_fusion buckets
+        out.append(dict(name=f"fused-{stage}", model="mixed", opt="adamw_groups", stage=stage, clip=True,
+                        clip_norm=0.05, fusion=True))
     return out
+
+
+def count_collectives(world, out_dir):
+    """PyNative: count the collectives one optimizer step really calls (K=2 micro-steps) and the bytes they
+    move, per stage, with and without comm_fusion; store them next to the plan's ``step_calls``."""
+    import mindspore as ms
+    from mindspore import ops
+
+    from mindzero.comm_plan import CommShape, all_gather_calls, reduce_scatter_calls, summarize
+
+    counted = []
+    originals = {}
+    for cls, op in ((ops.AllReduce, "all_reduce"), (ops.AllGather, "all_gather"), (ops.ReduceScatter, "reduce_scatter")):
+        def counting(self, *args, _orig=cls.__call__, _op=op):
+            out = _orig(self, *args)
+            counted.append((_op, int((out if _op == "all_gather" else args[0]).nbytes)))
+            return out
+        originals[cls] = cls.__call__
+        cls.__call__ = counting
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    results = {}
+    try:
+        for stage in (0, 1, 2, 3):
+            for fused in (False, True):
+                net = build("awkward")
+                fusion = {k: {"bucket_size": 2 ** 20} for k in ("allreduce", "reduce_scatter", "allgather")} \
+                    if fused else None
+                train = mindzero.prepare_train_network(net, make_optimizer("adam", net), zero_stage=stage,
+                                                       gradient_accumulation_steps=2, clip_grad=True,
+                                                       comm_fusion=fusion)
+                counted.clear()
+                for m in range(2):
+                    train(*data(type(net), 0, world.rank, m, n=2))
+                got = {op: {"calls": 0, "bytes": 0} for op in ("all_reduce", "all_gather", "reduce_scatter")}
+                for op, nbytes in counted:
+                    got[op]["calls"] += 1
+                    got[op]["bytes"] += nbytes
+                plan = summarize(train.zero_info.calls)
+                # the plan counts one read per parameter; AwkwardNet reads w2 twice, so stage 3 gathers it
+                # (and reduce-scatters its gradient) once more per micro-step
+                extra = []
+                if stage == 3:
+                    w2 = train.zero_info.plan["w2"]
+                    shape = CommShape(world.group_size, world.world_size, world.emulated)
+                    extra = 2 * (all_gather_calls([w2], shape, "forward") + reduce_scatter_calls([w2], shape, "backward"))
+                extra = summarize(extra)
+                results[f"{stage}-{'fused' if fused else 'plain'}"] = dict(
+                    counted=got, plan={op: {k: plan[op][k] + extra[op][k] for k in ("calls", "bytes")} for op in got})
+    finally:
+        for cls, call in originals.items():
+            cls.__call__ = call
+        ms.set_context(mode=ms.GRAPH_MODE)
+    (out_dir / "collective_counts.json").write_text(json.dumps(results, indent=1))
 
 
 def check_collectives(world, out_dir):
@@ -147,6 +209,7 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     check_collectives(world, out_dir)
     check_plan_mismatch(world, out_dir)
+    count_collectives(world, out_dir)
     memory = {}
     for scn in scenarios():
         if args.only and not scn["name"].startswith(tuple(args.only.split(","))):
