@@ -58,6 +58,9 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
     for attr in info.state_attrs:
         for param_name, p in zip(info.opt_param_names, getattr(train_net.optimizer, attr)):
             add(p.name, "optimizer_state", param_name, p)
+    if train_net.has_ema:
+        for param_name, p in zip(info.opt_param_names, train_net.ema.ema_weights):
+            add(p.name, "ema", param_name, p)
     taken = {id(p) for _, p in out}
     skip = {id(p) for p in (*info.master_shards, *info.accum_buffers, *train_net.optimizer.parameters)} | taken
     for p in train_net.get_parameters():
@@ -212,21 +215,32 @@ class _GatherAll(nn.Cell):
         return map_cells(self.gathers, shards)
 
 
-def gather_full_state_dict(train_net) -> dict:
+def gather_full_state_dict(train_net, ema: bool = False) -> dict:
     """Every network parameter, full, under its original name: ``{name: numpy.ndarray}``.
+
+    With ``ema=True`` the optimized parameters' values are their exponential moving averages
+    (``prepare_train_network(..., ema=...)``), the weights to evaluate or export.
 
     Collective: all ranks must call it (stage 3 all-gathers each shard once).
     """
     info = train_net.zero_info
     out, names, shards, gathers = {}, [], [], []
     sharded_names = {s.name for s in info.plan if s.sharded} if info.config.policy.shard_parameters else set()
-    for p in train_net.network.get_parameters():
-        if p.name in sharded_names:
-            names.append(p.name)
+    params = list(train_net.network.get_parameters())
+    if ema:
+        if not train_net.has_ema:
+            raise ValueError("gather_full_state_dict(ema=True): this train step has no EMA; pass ema= to "
+                             "prepare_train_network")
+        averages = dict(zip(info.opt_param_names, train_net.ema.ema_weights))
+        params = [averages.get(p.name, p) for p in params]
+    for p in params:
+        name = p.name[len("ema."):] if ema and p.name.startswith("ema.") else p.name
+        if name in sharded_names:
+            names.append(name)
             shards.append(p)
-            gathers.append(GatherFull(info.plan[p.name], info.world))
+            gathers.append(GatherFull(info.plan[name], info.world))
         else:
-            out[p.name] = p.asnumpy().copy()
+            out[name] = p.asnumpy().copy()
     if shards:
         for name, value in zip(names, _GatherAll(gathers)(*shards)):
             out[name] = value.asnumpy()

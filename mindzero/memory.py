@@ -25,7 +25,8 @@ from .plan import REASON_NOT_OPTIMIZED, PartitionPlan
 KINDS = ("parameters", "gradients", "optimizer_states")
 
 
-def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accumulate: bool) -> dict:
+def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accumulate: bool,
+                   ema: bool = False) -> dict:
     """Per-rank bytes by kind that ``plan`` predicts (pure arithmetic, no MindSpore).
 
     Args:
@@ -33,8 +34,10 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
         policy: the stage.
         n_states: per-parameter state tensors of the optimizer (Adam 2, Momentum 1, SGD 2).
         accumulate: gradient accumulation buffers exist (``gradient_accumulation_steps > 1``).
+        ema: an EMA of the optimized parameters is kept (reported under ``ema``, held like the parameters).
     """
     out = dict.fromkeys(KINDS, 0)
+    out["ema"] = 0
     out["optimizer_moments"] = 0
     out["master_shards"] = 0
     for s in plan:
@@ -45,6 +48,8 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
             continue
         state_one = shard if (policy.shard_optimizer_states and s.sharded) else full
         out["optimizer_moments"] += n_states * state_one
+        if ema:
+            out["ema"] += shard if (policy.shard_parameters and s.sharded) else full
         if policy.shard_optimizer_states and s.sharded and not policy.shard_parameters:
             out["master_shards"] += shard
         if accumulate:
@@ -57,7 +62,7 @@ def memory_report(train_net) -> dict:
     """Bytes this rank holds persistently, counted from the tensors actually allocated.
 
     Returns:
-        ``{"parameters", "gradients", "optimizer_states", "optimizer_moments", "master_shards": int,
+        ``{"parameters", "gradients", "optimizer_states", "optimizer_moments", "master_shards", "ema": int,
         "expected": {same keys}, "stage": int, "group_size": int, "replicas": int}``; ``optimizer_states`` is
         ``optimizer_moments + master_shards``.
     """
@@ -73,8 +78,9 @@ def memory_report(train_net) -> dict:
         "optimizer_moments": moments,
         "master_shards": masters,
         "optimizer_states": moments + masters,
+        "ema": sum(tensor_nbytes(p) for p in train_net.ema.ema_weights) if train_net.has_ema else 0,
         "expected": expected_bytes(info.plan, info.config.policy, len(info.state_attrs),
-                                   info.config.gradient_accumulation_steps > 1),
+                                   info.config.gradient_accumulation_steps > 1, train_net.has_ema),
         "stage": info.config.zero_stage,
         "group_size": info.world.group_size,  # the op group: what the shards divide by
         "replicas": info.world.replicas,

@@ -130,7 +130,7 @@ def merge_checkpoint(ckpt_dir, out, format="ckpt", with_optimizer=False, force=F
     out = Path(out)
     _refuse_existing(out, force)
     src = Source(ckpt_dir)
-    kinds = ("parameter", "optimizer_state", "scalar") if with_optimizer else ("parameter",)
+    kinds = ("parameter", "optimizer_state", "ema", "scalar") if with_optimizer else ("parameter",)
     entries = [t for t in src.ref.tensors if t.kind in kinds]
     if not entries:
         raise MergeError(f"{src.dir}: the checkpoint has no tensors of kinds {kinds}")

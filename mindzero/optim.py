@@ -127,3 +127,34 @@ def shard_optimizer(optimizer, specs: list, shard_params: list) -> tuple:
 def optimizer_state_params(optimizer, attrs) -> list:
     """Every Parameter of the state tuples ``attrs`` (not step counters or learning rates)."""
     return [p for attr in attrs for p in getattr(optimizer, attr)]
+
+
+_UPDATE_PRIMITIVES = ("fused_opt", "opt", "sparse_opt")  # where MindSpore's optimizers keep their update op
+
+
+def offload_update(optimizer) -> tuple:
+    """``optimizer_offload=True``: run the optimizer's update primitive on the host.
+
+    On GPU/Ascend MindSpore's heterogeneous execution then keeps the states, which only that
+    primitive reads, in host memory and copies the (sharded) gradient and parameter across
+    (MindSpore's own ``nn.Adam(use_offload=True)`` works the same way). On CPU the update already
+    runs on the host: the same graph is built and the result is unchanged.
+
+    Returns:
+        the names of the primitives moved (e.g. ``("fused_opt",)`` for AdamWeightDecay).
+
+    Raises:
+        ValueError: the optimizer updates with several small ops instead of one primitive (SGD, Lamb, ...).
+    """
+    from mindspore.ops import Primitive
+
+    if isinstance(optimizer, nn.AdamWeightDecay):
+        optimizer.use_fused_opt = True
+    moved = tuple(name for name in _UPDATE_PRIMITIVES if isinstance(getattr(optimizer, name, None), Primitive))
+    if not moved:
+        raise ValueError(f"optimizer_offload=True needs an optimizer whose update is one MindSpore primitive that "
+                         f"can run on the host (AdamWeightDecay, Adam, Momentum, Adagrad, RMSProp); got "
+                         f"{type(optimizer).__name__}; pass optimizer_offload=False")
+    for name in moved:
+        getattr(optimizer, name).set_device("CPU")
+    return moved

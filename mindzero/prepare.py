@@ -14,13 +14,13 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from .comm import World, resolve_world
 from .config import ZeroConfig
-from .optim import check_optimizer, shard_optimizer, state_tuples
+from .optim import check_optimizer, offload_update, shard_optimizer, state_tuples
 from .plan import ParamInfo, PartitionPlan
 from .shard import check_pynative_recompute, make_shard, shard_network_parameters
 from .comm_plan import CommShape, format_comm, spec_buckets, step_calls
 from .config import parse_comm_fusion
 from .train_step import (GatherInto, Identity, MeanAllReduce, MeanReduceScatter, OwnSlice, Reduction,
-                         ZeroTrainOneStepCell)
+                         ZeroEMA, ZeroTrainOneStepCell)
 
 logger = logging.getLogger("mindzero")
 
@@ -45,14 +45,25 @@ def _scale_sense(scale_sense):
     return Parameter(Tensor(value, ms.float32), name="scale_sense", requires_grad=False), manager
 
 
-def _refuse_unimplemented(ema, updates, optimizer_offload, parallel_modules):
-    if ema is not None:
-        raise NotImplementedError("ema: exponential moving averages are not implemented in mindzero yet; pass None")
-    if updates != 0:
-        raise ValueError(f"updates is the EMA's initial step count and needs ema; got updates={updates!r} with ema=None")
-    if optimizer_offload:
-        raise NotImplementedError("optimizer_offload=True: offloading optimizer states to the host is not "
-                                  "implemented yet; pass False")
+def _ema_decay(ema, updates):
+    """The EMA decay from ``ema`` (``None``, a number in (0, 1), or mindone's ``EMA`` with ``ema_decay``)."""
+    if isinstance(updates, bool) or not isinstance(updates, numbers.Integral) or updates < 0:
+        raise ValueError(f"updates (the EMA's initial step count) must be an int >= 0, got {updates!r}")
+    if ema is None:
+        if updates != 0:
+            raise ValueError(f"updates is the EMA's initial step count and needs ema; got updates={updates!r} "
+                             "with ema=None")
+        return None
+    decay = getattr(ema, "ema_decay", ema)
+    if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not 0 < decay < 1:
+        raise ValueError(f"ema must be None, a decay in (0, 1) or an EMA object with ema_decay in (0, 1) "
+                         f"(mindone's EMA), got {ema!r}")
+    return float(decay)
+
+
+def _check_options(optimizer_offload, parallel_modules):
+    if not isinstance(optimizer_offload, bool):
+        raise ValueError(f"optimizer_offload must be a bool, got {optimizer_offload!r}")
     if parallel_modules is not None:
         raise NotImplementedError("parallel_modules: user-supplied per-layer parallel wrappers are not needed "
                                   "(stage 3 works for any Cell) and not supported; pass None")
@@ -142,8 +153,14 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
         stage3_regather: stage 3, graph mode: all-gather each parameter again in backward instead of
             keeping its full value alive from forward (peak gathered-parameter memory about the largest
             layer's, at one more all-gather per parameter); ``False`` trades that memory for speed.
-        ema, updates, optimizer_offload, parallel_modules: mindone's arguments;
-            the non-default values raise ``NotImplementedError`` naming the argument.
+        optimizer_offload: run the optimizer's update primitive (and so keep its states) on the host;
+            see :func:`mindzero.optim.offload_update` (on CPU: the same result, nothing moves).
+        ema: ``None``; a decay in (0, 1); or mindone's ``EMA`` (its ``ema_decay`` is used): keep an
+            exponential moving average of the optimized parameters, held like them (shards at stage 3),
+            updated after each applied step; ``updates``: its initial step count (decay warm-up).
+            Read it with ``gather_full_state_dict(train_net, ema=True)``; checkpoints save it.
+        parallel_modules: mindone's argument; not needed (stage 3 works for any Cell): a value raises
+            ``NotImplementedError``.
 
     Returns:
         :class:`ZeroTrainOneStepCell`; ``loss, overflow, scale = train_net(*inputs)``.
@@ -158,11 +175,14 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
         raise TypeError(f"network must be a mindspore.nn.Cell, got {type(network).__name__}")
     fusion = parse_comm_fusion(comm_fusion)
     world = resolve_world(optimizer_parallel_group, dp_group)
-    _refuse_unimplemented(ema, updates, optimizer_offload, parallel_modules)
+    _check_options(optimizer_offload, parallel_modules)
+    ema_decay = _ema_decay(ema, updates)
     policy = config.policy
     network_params = {p.name: p for p in network.get_parameters()}
     check_optimizer(optimizer, network_params, policy.shard_optimizer_states)
     scale_param, manager = _scale_sense(scale_sense)
+    if optimizer_offload:
+        offload_update(optimizer)
     plan = build_plan(network, optimizer, world)
     check_same_plan(plan, world, config.zero_stage)
     specs = {s.name: s for s in plan}
@@ -177,7 +197,8 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
                                                             fusion)
     train_net = ZeroTrainOneStepCell(network, optimizer, weights, micro, boundary, norm_slicers,
                                      [s.sharded for s in opt_specs], gathers, full_params, masters, buffers,
-                                     scale_param, manager, config, world)
+                                     scale_param, manager, config, world,
+                                     None if ema_decay is None else ZeroEMA(weights, ema_decay, updates))
     calls = {emulated: step_calls(opt_specs, sharded, policy, CommShape(world.group_size, world.world_size, emulated),
                                   fusion, config.gradient_accumulation_steps, config.clip_grad,
                                   stage3_regather and ms.get_context("mode") == ms.GRAPH_MODE)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"  # the marker file written last into a finished checkpoint directory
-KINDS = ("parameter", "optimizer_state", "scalar")
+KINDS = ("parameter", "optimizer_state", "ema", "scalar")
 FORMATS = ("ckpt", "safetensors")
 
 
@@ -153,12 +153,13 @@ class SplitInfo:
 def placement(kind: str, stage: int, plan_sharded: bool, per_rank: bool, rank: int, fmt: str):
     """Where one tensor lives in a checkpoint of ``stage``: ``(stored sharded, file)``.
 
-    The one rule, used by saving and by resharding: a parameter is stored in shards at stage 3 and
+    The one rule, used by saving and by resharding: a parameter (and its EMA) is stored in shards at stage 3 and
     an optimizer state from stage 1 on, when the plan shards its parameter; shards and per-rank
     buffers go to the rank's own file; identical replicated tensors are written once, by rank 0,
     into ``network.<fmt>`` (full network parameters, stages 0-2) or ``rank_0.<fmt>``.
     """
-    sharded = plan_sharded and ((kind == "parameter" and stage == 3) or (kind == "optimizer_state" and stage >= 1))
+    sharded = plan_sharded and ((kind in ("parameter", "ema") and stage == 3)
+                                or (kind == "optimizer_state" and stage >= 1))
     if sharded or per_rank:
         return sharded, f"rank_{rank}.{fmt}"
     if kind == "parameter" and stage < 3:

@@ -145,6 +145,36 @@ class GatherInto(nn.Cell):
         return done
 
 
+class ZeroEMA(nn.Cell):
+    """Exponential moving average of the optimizer's parameters, held like them: full at stages 0-2,
+    shards at stage 3 (named ``ema.<parameter>``, as mindone's ``EMA``).
+
+    After each update ``ema = d * ema + (1 - d) * param`` with mindone's warm-up
+    ``d = decay * (1 - exp(-updates / 2000))``; a step skipped for overflow leaves the EMA and
+    ``updates`` unchanged.
+    """
+
+    def __init__(self, weights, decay: float, updates: int):
+        super().__init__(auto_prefix=False)
+        self.ema_weights = ParameterTuple([Parameter(Tensor(w.asnumpy().copy(), w.dtype), name="ema." + w.name,
+                                                     requires_grad=False) for w in weights])
+        self.updates = Parameter(Tensor(float(updates), ms.float32), name="ema_updates", requires_grad=False)
+        self.decay = float(decay)
+
+    def construct(self, weights, skipped):
+        keep = ops.cast(skipped, ms.float32)
+        updates = self.updates + (1.0 - keep)
+        d = self.decay * (1.0 - ops.exp(-updates / 2000.0))
+        d = keep + (1.0 - keep) * d  # 1 on a skipped step: the EMA stays as it is
+        done = (ops.assign(self.updates, updates),)
+        for i in range(len(self.ema_weights)):
+            ema = self.ema_weights[i]
+            w = ops.cast(weights[i], ema.dtype)
+            factor = ops.cast(d, ema.dtype)
+            done = done + (ops.assign(ema, ema * factor + w * (1.0 - factor)),)
+        return done
+
+
 def map_cells(cells, values):
     """Graph-mode map: ``(cells[0](values[0]), cells[1](values[1]), ...)``."""
     out = ()
@@ -162,7 +192,7 @@ class ZeroTrainOneStepCell(nn.Cell):
 
     def __init__(self, network, optimizer, weights, micro, boundary, norm_slicers,
                  norm_sharded_flags, gather_units, full_params, master_shards, accum_buffers, scale_sense, manager,
-                 config, world):
+                 config, world, ema=None):
         super().__init__(auto_prefix=False)
         self.network = network
         self.network.set_grad()
@@ -193,6 +223,9 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.clip_norm = float(config.clip_norm)
         self.any_rank = AnyRank(world)
         self.sum_over_group = AllReduceSum(world, "op")  # each shard once, not once per replica
+        self.has_ema = ema is not None
+        if self.has_ema:
+            self.ema = ema
         self.set_train(True)
 
     def construct(self, *inputs):
@@ -242,6 +275,9 @@ class ZeroTrainOneStepCell(nn.Cell):
             # Outside the overflow branch: there, MindSpore 2.10 (CPU) dropped the last
             # of a chain of assigns. On a skipped step the gather rewrites the same values.
             overflow = self._gather_params(overflow)
+        if self.has_ema:  # after the gather, so stages 1-2 average the updated full parameters
+            skipped = overflow if self.drop_overflow_update else ops.zeros((), ms.bool_)
+            overflow = ops.depend(overflow, self.ema(self.weights, skipped))
         return overflow
 
     def _all_finite(self, grads):

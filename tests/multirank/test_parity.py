@@ -94,6 +94,36 @@ def test_fused_equals_unfused(run, stage):
         assert_same_run(load(out, r, f"fused-{stage}"), load(out, r, f"clip-{stage}"), f"fused-{stage} rank {r}")
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_ema_equals_stage0_and_is_sharded_at_stage3(run, stage):
+    """The EMA (gathered full, ``@ema``) of every stage equals stage 0's; at stage 3 a rank holds 1/N of it."""
+    n, out = run
+    for r in range(n):
+        got, ref = load(out, r, f"ema-{stage}"), load(out, r, "ema-0")
+        assert_same_run(got, ref, f"ema-{stage} rank {r}")
+        emas = [k for k in ref if k.endswith("@ema")]
+        assert emas
+        for k in emas:
+            assert rel_err(got[k], ref[k]) <= RTOL, k
+        init = load(out, r, "mixed-dp")
+        moved = [k for k in emas if not np.array_equal(ref[k], init[k[:-len("@ema")] + "@init"])]
+        assert moved, "the EMA moved away from the initial parameters"
+    memory = json.loads((out / "rank_0" / "memory.json").read_text())
+    mem, mem0 = memory[f"ema-{stage}"], memory["ema-0"]
+    assert mem["ema"] == mem["expected"]["ema"]
+    if stage == 3:
+        assert mem["ema"] <= mem0["ema"] / n + 64 * 4, (mem["ema"], mem0["ema"])  # padding at most
+    else:
+        assert mem["ema"] == mem0["ema"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_optimizer_offload_equals_on_device(run, stage):
+    n, out = run
+    for r in range(n):
+        assert_same_run(load(out, r, f"offload-{stage}"), load(out, r, f"mixed-{stage}"), f"offload-{stage} rank {r}")
+
+
 def test_plan_mismatch_fails_on_every_rank(run):
     n, out = run
     for r in range(n):

@@ -60,7 +60,9 @@ def run(scn, world, groups=None):
             fusion = {kind: {"openstate": True, "bucket_size": bucket}
                       for kind in ("allreduce", "reduce_scatter", "allgather")}
         train = mindzero.prepare_train_network(net, opt, scale_sense=scale, zero_stage=scn["stage"],
-                                               comm_fusion=fusion,
+                                               comm_fusion=fusion, ema=scn.get("ema"),
+                                               updates=500 if scn.get("ema") else 0,
+                                               optimizer_offload=scn.get("offload", False),
                                                gradient_accumulation_steps=k, clip_grad=scn.get("clip", False),
                                                clip_norm=scn.get("clip_norm", 1.0),
                                                **(dict(zip(("optimizer_parallel_group", "dp_group"), groups))
@@ -91,6 +93,8 @@ def run(scn, world, groups=None):
         memory = None
     else:
         params = mindzero.gather_full_state_dict(train)
+        if scn.get("ema"):
+            params.update({name + "@ema": v for name, v in mindzero.gather_full_state_dict(train, ema=True).items()})
         memory = mindzero.memory_report(train)
     run.last_train = train
     return dict(losses=np.array(losses), overflows=np.array(overflows), scales=np.array(scales),
@@ -109,6 +113,10 @@ def scenarios():
                         dynamic_scale=True))
     for stage in ("dp", 0, 1, 2, 3):
         out.append(dict(name=f"accum-{stage}", model="awkward", opt="adam", stage=stage, accum=4))
+    for stage in (0, 1, 2, 3):
+        out.append(dict(name=f"ema-{stage}", model="mixed", opt="adamw_groups", stage=stage, ema=0.99))
+    for stage in (1, 3):
+        out.append(dict(name=f"offload-{stage}", model="mixed", opt="adamw_groups", stage=stage, offload=True))
     for stage in (0, 1, 2, 3):  # the clip-<stage> runs with comm_fusion buckets
         out.append(dict(name=f"fused-{stage}", model="mixed", opt="adamw_groups", stage=stage, clip=True,
                         clip_norm=0.05, fusion=True))

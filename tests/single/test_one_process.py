@@ -67,6 +67,70 @@ def test_fused_buckets_equal_unfused(model):
             np.testing.assert_array_equal(params[k], ref_params[k], err_msg=f"stage {stage} {k}")
 
 
+@pytest.mark.parametrize("model", ["mixed", "awkward"])  # AdamWeightDecay, Adam
+def test_optimizer_offload_equals_on_device(model):
+    """optimizer_offload=True moves the update primitive to the host; on CPU the result is unchanged."""
+    for stage in (0, 1, 3):
+        ref_losses, ref_params, _ = train(model, stage)
+        losses, params, step = train(model, stage, optimizer_offload=True)
+        assert step.optimizer.fused_opt.attrs.get("primitive_target") == "CPU" if model == "mixed" else \
+            step.optimizer.opt.attrs.get("primitive_target") == "CPU"
+        assert losses == ref_losses
+        for k in params:
+            np.testing.assert_array_equal(params[k], ref_params[k], err_msg=f"stage {stage} {k}")
+
+
+def test_optimizer_offload_refuses_multi_op_optimizer():
+    net = build("gpt")
+    with pytest.raises(ValueError, match="optimizer_offload=True needs an optimizer whose update is one MindSpore "
+                                         "primitive .* got SGD"):
+        mindzero.prepare_train_network(net, nn.SGD(net.trainable_params(), 0.1), zero_stage=1, optimizer_offload=True)
+
+
+def _ema_reference(model, decay, updates, steps=4):
+    """numpy EMA over a plain run's parameter trajectory (mindone's warm-up formula)."""
+    net = build(model)
+    opt = OPTIMIZERS[model](net.trainable_params())
+    step = nn.TrainOneStepCell(net, opt)
+    step.set_train()
+    rng = np.random.RandomState(3)
+    ema = {p.name: p.asnumpy().astype(np.float64) for p in net.trainable_params()}
+    for _ in range(steps):
+        step(*[Tensor(a) for a in type(net).batch(rng)])
+        updates += 1
+        d = decay * (1 - np.exp(-updates / 2000.0))
+        for p in net.trainable_params():
+            ema[p.name] = d * ema[p.name] + (1 - d) * p.asnumpy()
+    return ema
+
+
+@pytest.mark.parametrize("model", ["mixed", "awkward"])
+def test_ema_every_stage_matches_numpy(model):
+    ref = _ema_reference(model, 0.999, 1000)
+    for stage in (0, 1, 2, 3):
+        _, _, step = train(model, stage, ema=0.999, updates=1000)
+        got = mindzero.gather_full_state_dict(step, ema=True)
+        for name, value in ref.items():
+            np.testing.assert_allclose(got[name], value, rtol=2e-6, atol=1e-7, err_msg=f"stage {stage} {name}")
+        assert float(step.ema.updates.asnumpy()) == 1004
+        rep = mindzero.memory_report(step)
+        assert rep["ema"] == rep["expected"]["ema"] > 0
+
+
+def test_ema_accepts_mindone_style_object_and_rejects_bad_values():
+    class MindoneEMA:  # what prepare_train_network reads of mindone.trainers.ema.EMA
+        ema_decay = 0.99
+    _, _, step = train("awkward", 3, steps=1, ema=MindoneEMA())
+    assert step.ema.decay == 0.99
+    net, opt = _net_opt()
+    with pytest.raises(ValueError, match="ema must be None, a decay in \\(0, 1\\)"):
+        mindzero.prepare_train_network(net, opt, ema=1.5)
+    with pytest.raises(ValueError, match="updates \\(the EMA's initial step count\\) must be an int >= 0, got -1"):
+        mindzero.prepare_train_network(net, opt, ema=0.9, updates=-1)
+    with pytest.raises(ValueError, match="gather_full_state_dict\\(ema=True\\): this train step has no EMA"):
+        mindzero.gather_full_state_dict(train("awkward", 0, steps=1)[2], ema=True)
+
+
 def test_stage3_network_holds_shards_and_property_reads_full():
     net = build("awkward")
     step = mindzero.prepare_train_network(net, nn.Adam(net.trainable_params(), 1e-2), zero_stage=3)
@@ -106,9 +170,9 @@ def _net_opt(model="awkward"):
     (dict(optimizer_parallel_group="no_such_group"), ValueError,
      "optimizer_parallel_group='no_such_group' names a communication group, but the world has one rank"),
     (dict(dp_group=3), ValueError, "dp_group must be None or a group name"),
-    (dict(ema=object()), NotImplementedError, "ema"),
+    (dict(ema=object()), ValueError, "ema must be None, a decay in"),
     (dict(updates=5), ValueError, "updates is the EMA's initial step count and needs ema"),
-    (dict(optimizer_offload=True), NotImplementedError, "optimizer_offload=True"),
+    (dict(optimizer_offload=1), ValueError, "optimizer_offload must be a bool, got 1"),
     (dict(comm_fusion={"all_reduce": {"bucket_size": 1}}), ValueError,
      "comm_fusion key 'all_reduce' is not one of"),
     (dict(comm_fusion={"allgather": {"bucket_size": 0}}), ValueError,

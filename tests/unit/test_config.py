@@ -53,7 +53,7 @@ def test_expected_bytes_by_hand(n):
     everything = full_opt + 4 * 3
     e0 = expected_bytes(_plan(n), STAGES[0], n_states=2, accumulate=True)
     assert e0 == dict(parameters=everything, gradients=full_opt, optimizer_states=2 * full_opt,
-                      optimizer_moments=2 * full_opt, master_shards=0)
+                      optimizer_moments=2 * full_opt, master_shards=0, ema=0)
     e1 = expected_bytes(_plan(n), STAGES[1], 2, True)
     assert e1["optimizer_moments"] == 2 * (sharded_shard + 20) and e1["master_shards"] == sharded_shard
     assert e1["gradients"] == full_opt and e1["parameters"] == everything
@@ -63,3 +63,6 @@ def test_expected_bytes_by_hand(n):
     assert e3["parameters"] == sharded_shard + 20 + 12 and e3["master_shards"] == 0
     assert e3["optimizer_states"] == 2 * (sharded_shard + 20)
     assert expected_bytes(_plan(n), STAGES[3], 2, False)["gradients"] == 0
+    # an EMA is held like the optimized parameters: full at stages 0-2, shards at stage 3
+    assert expected_bytes(_plan(n), STAGES[2], 2, True, ema=True)["ema"] == full_opt
+    assert expected_bytes(_plan(n), STAGES[3], 2, True, ema=True)["ema"] == sharded_shard + 20
