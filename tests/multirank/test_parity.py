@@ -36,19 +36,19 @@ def rel_err(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)) if b.size else 0.0
 
 
-def assert_same_run(got, ref, what):
+def assert_same_run(got, ref, what, rtol=RTOL):
     assert len(got["losses"]) == len(ref["losses"]) >= 10, what
     assert np.all(np.isfinite(ref["losses"])) or "overflow" in what
     finite = np.isfinite(ref["losses"])
     err = rel_err(got["losses"][finite], ref["losses"][finite])
-    assert err <= RTOL, f"{what}: losses differ by {err:.2e} relative\n{got['losses']}\n{ref['losses']}"
+    assert err <= rtol, f"{what}: losses differ by {err:.2e} relative\n{got['losses']}\n{ref['losses']}"
     names = sorted(k for k in ref if k.startswith("param/") and not k.endswith("@init"))
     assert names == sorted(k for k in got if k.startswith("param/") and not k.endswith("@init")), \
         f"{what}: parameter names differ"
     for k in names:
         assert got[k].shape == ref[k].shape, f"{what}: {k} shape {got[k].shape} != {ref[k].shape}"
         err = rel_err(got[k], ref[k])
-        assert err <= RTOL, f"{what}: {k} differs by {err:.2e} relative"
+        assert err <= rtol, f"{what}: {k} differs by {err:.2e} relative"
 
 
 def test_collectives(run):
@@ -88,10 +88,14 @@ def test_fusion_cuts_collectives_per_step(run):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fused_equals_unfused(run, stage):
-    """Training with comm_fusion buckets (about three per kind) equals the same run without."""
+    """Training with comm_fusion buckets (about three per kind) equals the same run without: bit-identical at
+    2 ranks (so every offset and split of the buckets is right); at 4 ranks MindSpore's CPU all-reduce adds
+    the 4 contributions of an element in an order that depends on where the element sits in the buffer, and
+    10 steps of Adam on the fp16 cell amplify that rounding to 1.8e-5 (measured), hence 5e-5 there."""
     n, out = run
     for r in range(n):
-        assert_same_run(load(out, r, f"fused-{stage}"), load(out, r, f"clip-{stage}"), f"fused-{stage} rank {r}")
+        got, ref = load(out, r, f"fused-{stage}"), load(out, r, f"clip-{stage}")
+        assert_same_run(got, ref, f"fused-{stage} rank {r}", rtol=0.0 if n == 2 else 5e-5)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

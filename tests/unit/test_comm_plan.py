@@ -1,0 +1,98 @@
+"""The per-step collective plan and comm_fusion parsing, without MindSpore: bucket rules, the ZeRO
+paper's communication volumes (2Φ, 2Φ, 2Φ, 3Φ) and the CPU emulation's extra traffic."""
+import pytest
+
+from mindzero.comm_plan import CommShape, buckets, step_calls, summarize
+from mindzero.config import STAGES, FusionConfig, parse_comm_fusion
+from mindzero.plan import ParamInfo, PartitionPlan
+
+MIB = 2 ** 20
+
+
+def test_buckets_are_consecutive_and_bounded():
+    assert buckets([4, 4, 4, 4], ["f"] * 4, None) == [(0,), (1,), (2,), (3,)]
+    assert buckets([4, 4, 4, 4], ["f"] * 4, 8) == [(0, 1), (2, 3)]
+    assert buckets([4, 4, 4, 4], ["f"] * 4, 100) == [(0, 1, 2, 3)]
+    assert buckets([4, 20, 4], ["f"] * 3, 8) == [(0,), (1,), (2,)]  # a big tensor travels alone
+    assert buckets([4, 4, 4], ["f", "h", "h"], 100) == [(0,), (1, 2)]  # a dtype change closes the bucket
+    assert buckets([], [], 8) == []
+
+
+def test_parse_comm_fusion():
+    f = parse_comm_fusion({"allreduce": {"openstate": True, "bucket_size": 5e8},
+                           "reduce_scatter": {"bucket_size": 1024}, "allgather": {"openstate": False,
+                                                                                   "bucket_size": 5e8}})
+    assert f == FusionConfig(allreduce=500000000, reduce_scatter=1024, allgather=None) and f.any
+    assert parse_comm_fusion(None) == FusionConfig() and not FusionConfig().any
+    for bad, msg in [({"allreduce": 5}, "must be a dict with keys 'openstate'"),
+                     ({"allreduce": {"bucket_size": -1}}, "must be a number of bytes >= 1, got -1"),
+                     ({"allreduce": {"bucket_size": True}}, "must be a number of bytes >= 1, got True"),
+                     ({"allreduce": {"size": 3}}, "must be a dict with keys"),
+                     ({"broadcast": {"bucket_size": 3}}, "comm_fusion key 'broadcast' is not one of")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_comm_fusion(bad)
+
+
+def _specs(n, shapes=((1000, 1000), (1000,), (37, 11))):
+    plan = PartitionPlan.build([ParamInfo(f"p{i}", s) for i, s in enumerate(shapes)], n, 0)
+    return list(plan)
+
+
+def _traffic(stage, n, emulated, fusion=FusionConfig(), k=1, **kw):
+    specs = _specs(n)
+    sharded = [stage >= 1 and s.sharded for s in specs]
+    calls = step_calls(specs, sharded, STAGES[stage], CommShape(n, n, emulated), fusion, k, **kw)
+    return calls, summarize(calls)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_real_collectives_move_the_paper_volumes(n):
+    """Ring traffic per rank over Φ fp32 bytes: stage 0 all-reduce 2(n-1)/n Φ; stages 1-2 reduce-scatter +
+    all-gather, the same 2(n-1)/n Φ (padding aside); stage 3 with re-gather 3(n-1)/n Φ."""
+    phi = 4 * sum(s.numel for s in _specs(n))
+    padded = 4 * sum(s.padded_numel for s in _specs(n))
+    ring = (n - 1) / n
+    flag = 2 * ring * 4  # the overflow flag's all-reduce
+    assert _traffic(0, n, False)[1]["total"]["traffic"] == pytest.approx(2 * ring * phi + flag)
+    for stage in (1, 2):
+        calls, s = _traffic(stage, n, False)
+        assert s["reduce_scatter"]["calls"] == 3 and s["all_gather"]["calls"] == 3 and s["all_reduce"]["calls"] == 1
+        assert s["total"]["traffic"] == pytest.approx(2 * ring * padded + flag)
+    s3 = _traffic(3, n, False)[1]
+    assert s3["all_gather"]["calls"] == 6 and s3["reduce_scatter"]["calls"] == 3
+    assert s3["total"]["traffic"] == pytest.approx(3 * ring * padded + flag)
+    assert _traffic(3, n, False, regather=False)[1]["total"]["traffic"] == pytest.approx(2 * ring * padded + flag)
+
+
+def test_cpu_emulation_extra_traffic():
+    """CPU: each reduce-scatter is an all-reduce of the whole tensor, twice a real one's traffic."""
+    n = 4
+    real, emu = _traffic(1, n, False)[1], _traffic(1, n, True)[1]
+    assert emu["reduce_scatter"]["calls"] == 0 and emu["all_reduce"]["calls"] == 4
+    phi = 4 * sum(s.numel for s in _specs(n))
+    assert emu["all_reduce"]["traffic"] - 2 * 0.75 * 4 == pytest.approx(2 * 0.75 * phi)
+    assert emu["total"]["traffic"] > real["total"]["traffic"]
+
+
+def test_hybrid_and_accumulation_and_clip():
+    specs = _specs(2)
+    sharded = [True] * 3
+    shape = CommShape(group_size=2, world_size=8, emulated=False)
+    s = summarize(step_calls(specs, sharded, STAGES[2], shape, FusionConfig(), accum_steps=3, clip_grad=True))
+    # stage 2 reduce-scatters every micro-step; hybrid adds a dp all-reduce of each shard
+    assert s["reduce_scatter"]["calls"] == 9 and s["all_gather"]["calls"] == 3
+    assert s["all_reduce"]["calls"] == 9 + 1 + 1  # dp all-reduces, flag, clip norm
+    emu = summarize(step_calls(specs, sharded, STAGES[2], CommShape(2, 8, True), FusionConfig(), 3, True))
+    # CPU hybrid: the op-group all-gather is a world all-gather (4 replicas' rows)
+    assert emu["all_gather"]["bytes"] == 4 * s["all_gather"]["bytes"]
+
+
+def test_fusion_cuts_calls_not_bytes():
+    plain = _traffic(1, 4, False)[1]
+    fused = _traffic(1, 4, False, FusionConfig(allreduce=64 * MIB, reduce_scatter=64 * MIB, allgather=64 * MIB))[1]
+    assert fused["reduce_scatter"]["calls"] == 1 and fused["all_gather"]["calls"] == 1
+    for op in ("reduce_scatter", "all_gather", "all_reduce"):
+        assert fused[op]["bytes"] == plain[op]["bytes"]
+    # a 1 MiB bucket: the 4 MB matrix alone, the two small tensors together
+    small = _traffic(0, 4, False, FusionConfig(allreduce=MIB))[1]
+    assert small["all_reduce"]["calls"] == 2 + 1
