@@ -208,11 +208,21 @@ def _gather_views(flat: World, op, dp) -> list:
 
 
 def own_shard(flat, padding: int, rank: int, group_size: int):
-    """Graph-mode: ``flat`` zero-padded by ``padding``, then rank ``rank``'s contiguous 1/``group_size``."""
-    if padding:
-        flat = ops.concat((flat, ops.zeros((padding,), flat.dtype)))
-    size = flat.shape[0] // group_size
-    return flat[rank * size:(rank + 1) * size]
+    """Graph-mode: rank ``rank``'s contiguous 1/``group_size`` of ``flat`` zero-padded by ``padding``.
+
+    Slices first and pads only the tail that needs it, so a large tensor is not copied whole to pad it.
+    """
+    numel = flat.shape[0]
+    size = (numel + padding) // group_size
+    start = rank * size
+    valid = min(numel, start + size) - start
+    if valid >= size:
+        if start == 0 and size == numel:
+            return flat
+        return flat[start:start + size]
+    if valid <= 0:
+        return ops.zeros((size,), flat.dtype)
+    return ops.concat((flat[start:numel], ops.zeros((size - valid,), flat.dtype)))
 
 
 class AllGather(nn.Cell):

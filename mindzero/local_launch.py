@@ -128,9 +128,11 @@ def first_failure(launcher_out: str, pid_ranks: dict):
 
 def _env(extra=None) -> dict:
     # msrun starts workers with the `python` on PATH: make it this interpreter
-    return dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                GLOG_v="3", MALLOC_MMAP_THRESHOLD_="1048576", **(extra or {}))
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               GLOG_v="3", MALLOC_MMAP_THRESHOLD_="1048576")
+    env.update(extra or {})  # the caller's values win
+    return env
 
 
 def _commands(launcher, script, world_size, nodes, out_dir, args, env):

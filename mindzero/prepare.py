@@ -19,7 +19,7 @@ from .plan import ParamInfo, PartitionPlan
 from .shard import check_pynative_recompute, make_shard, shard_network_parameters
 from .comm_plan import CommShape, format_comm, spec_buckets, step_calls
 from .config import parse_comm_fusion
-from .train_step import (GatherInto, Identity, MeanAllReduce, MeanReduceScatter, OwnSlice, Reduction,
+from .train_step import (GatherInto, Identity, OwnSlice, SumAllReduce, SumReduceScatter, Reduction,
                          ZeroEMA, ZeroTrainOneStepCell)
 
 logger = logging.getLogger("mindzero")
@@ -289,10 +289,10 @@ def _gradient_path(opt_params, opt_specs, sharded, policy, config, world, fusion
     if policy.shard_parameters:
         pass  # sharded gradients arrive reduced from GatherFull's bprop
     elif policy.shard_gradients:
-        micro = units(sharded_pos, "reduce_scatter", MeanReduceScatter)
+        micro = units(sharded_pos, "reduce_scatter", SumReduceScatter)
     elif policy.shard_optimizer_states:
-        boundary = units(sharded_pos, "reduce_scatter", MeanReduceScatter)
-    boundary += units([i for i in range(n) if not sharded[i]], "allreduce", MeanAllReduce)
+        boundary = units(sharded_pos, "reduce_scatter", SumReduceScatter)
+    boundary += units([i for i in range(n) if not sharded[i]], "allreduce", SumAllReduce)
     norm_slicers, buffers = [], []
     for p, spec, flag in zip(opt_params, opt_specs, sharded):
         # at clip time a plan-sharded gradient is a shard from stage 1 on, full at stage 0
@@ -300,7 +300,7 @@ def _gradient_path(opt_params, opt_specs, sharded, policy, config, world, fusion
         if config.gradient_accumulation_steps > 1:
             shape = (spec.shard_size,) if (flag and policy.shard_gradients) else tuple(p.shape)
             buffers.append(Parameter(ops.zeros(shape, p.dtype), name="zero_accum." + p.name, requires_grad=False))
-    return Reduction(n, micro), Reduction(n, boundary), norm_slicers, buffers
+    return Reduction(n, micro), Reduction(n, boundary, scale=True), norm_slicers, buffers
 
 
 class ZeroInfo:

@@ -47,7 +47,7 @@ def make_shard(tensor_or_param, spec: ShardSpec, name: str, requires_grad: bool 
 
 
 class GatherFull(nn.Cell):
-    """Full parameter from its shard: all-gather in forward, mean reduce-scatter in backward.
+    """Full parameter from its shard: all-gather in forward, reduce-scatter (sum over the world) in backward.
 
     Communication: forward AllGather of ``shard_size`` elements per rank; backward
     ReduceScatter (CPU: AllReduce + slice) of ``padded_numel`` elements.
@@ -59,8 +59,8 @@ class GatherFull(nn.Cell):
         self.gather = AllGather(world)
         self.reduce_scatter = ReduceScatterSum(world, spec.padding)
         self.numel = spec.numel
+        self.padded = spec.padding > 0
         self.shape = tuple(spec.shape)
-        self.inv_group = 1.0 / world.world_size  # the mean is over every rank, replicas included
         self.slice = ops.StridedSlice()
         self.reshape = ops.Reshape()
         self.cast = ops.Cast()
@@ -71,14 +71,17 @@ class GatherFull(nn.Cell):
             prim.recompute()
 
     def construct(self, shard):
-        full = self.reshape(self.slice(self.gather(shard), (0,), (self.numel,), (1,)), self.shape)
+        full = self.gather(shard)
+        if self.padded:
+            full = self.slice(full, (0,), (self.numel,), (1,))
+        full = self.reshape(full, self.shape)
         if self.compute_dtype is not None:
             full = self.cast(full, self.compute_dtype)
         return full
 
     def bprop(self, shard, out, dout):
         grad = self.reduce_scatter(ops.cast(dout, shard.dtype).reshape((-1,)))
-        return (grad * ops.cast(self.inv_group, grad.dtype),)
+        return (grad,)  # a sum over the world: the train step divides by the world size
 
 
 def _full_property(attr: str) -> property:

@@ -6,13 +6,15 @@ Per step (``gradient_accumulation_steps = K``; ``N`` ranks in the op group):
    scale; gradients are taken w.r.t. the optimizer's parameters in the
    optimizer's own order (full parameters at stages 0-2, shards at stage 3);
 2. *micro-step reduction*: stage 2 reduce-scatters each sharded gradient now
-   (mean over the group); stage 3 got it already reduced from the gather's
+   (a sum over the world); stage 3 got it already reduced from the gather's
    ``bprop``; stages 0-1 keep the local full gradient;
 3. with ``K > 1`` the result is added to accumulation buffers (full at stages
    0-1, shards at stages 2-3) and steps 4-7 run on every K-th call only;
 4. *boundary reduction*: stage 0 all-reduces every gradient, stage 1
-   reduce-scatters sharded ones, every stage all-reduces replicated ones;
-   then gradients are divided by ``loss_scale * K``;
+   reduce-scatters sharded ones, every stage all-reduces replicated ones
+   (with ``comm_fusion``, one collective per bucket, buckets one after the
+   other); then one multiply divides every gradient by ``loss_scale * K * N``
+   (N = the world), making the sums means;
 5. overflow: every rank checks its (shard of the) gradients for inf/nan and
    one all-reduce of the flags makes the decision shared by all ranks; a
    ``DynamicLossScaleUpdateCell`` updates the loss scale from it;
@@ -39,53 +41,41 @@ class Identity(nn.Cell):
         return x
 
 
-class MeanAllReduce(nn.Cell):
-    """Mean over the world of full gradients, one all-reduce for the bucket (as ``DistributedGradReducer``
-    with ``mean=True`` when the bucket holds one tensor)."""
+class SumAllReduce(nn.Cell):
+    """Sum over the world of full gradients, one all-reduce for the bucket (the train step divides by
+    the world size once, with the loss scale)."""
 
     def __init__(self, specs, world: World):
         super().__init__(auto_prefix=False)
         self.sum = AllReduceSum(world, "world")
-        self.inv_group = 1.0 / world.world_size
         self.shapes = tuple(tuple(s.shape) for s in specs)
         self.sizes = tuple(s.numel for s in specs)
 
     def construct(self, grads):
         if len(self.shapes) == 1:
-            grad = self.sum(grads[0])
-            return (grad * ops.cast(self.inv_group, grad.dtype),)
-        flat = self.sum(flat_concat(grads))
-        flat = flat * ops.cast(self.inv_group, flat.dtype)
-        parts = ops.split(flat, self.sizes)
+            return (self.sum(grads[0]),)
+        parts = ops.split(self.sum(flat_concat(grads)), self.sizes)
         out = ()
         for i in range(len(self.shapes)):
             out = out + (parts[i].reshape(self.shapes[i]),)
         return out
 
 
-class MeanReduceScatter(nn.Cell):
-    """Mean over the world of full local gradients, keeping this rank's padded 1D shard of each
+def SumReduceScatter(specs, world: World):
+    """Sum over the world of full local gradients, keeping this rank's padded 1D shard of each
     (one reduce-scatter for the bucket)."""
-
-    def __init__(self, specs, world: World):
-        super().__init__(auto_prefix=False)
-        self.reduce_scatter = FusedReduceScatterSum(world, [s.numel for s in specs], [s.padding for s in specs])
-        self.inv_group = 1.0 / world.world_size
-
-    def construct(self, grads):
-        shards = self.reduce_scatter(grads)
-        out = ()
-        for g in shards:
-            out = out + (g * ops.cast(self.inv_group, g.dtype),)
-        return out
+    return FusedReduceScatterSum(world, [s.numel for s in specs], [s.padding for s in specs])
 
 
 class Reduction(nn.Cell):
     """Apply bucket reducers to a tuple of gradients: ``units`` are ``(positions, cell)``; ``cell`` takes the
-    gradients at ``positions`` (a tuple) and returns as many; other positions pass through."""
+    gradients at ``positions`` (a tuple) and returns as many; other positions pass through. With ``scale``
+    every output is multiplied by ``factor`` right after its collective (as ``DistributedGradReducer``
+    does with the mean), so no second full copy of the gradients is made later."""
 
-    def __init__(self, n: int, units):
+    def __init__(self, n: int, units, scale: bool = False):
         super().__init__(auto_prefix=False)
+        self.scale = scale
         self.reducers = nn.CellList([cell for _, cell in units])
         self.positions = tuple(tuple(pos) for pos, _ in units)
         source = [(-1, 0)] * n
@@ -95,20 +85,27 @@ class Reduction(nn.Cell):
         self.source = tuple(source)
         self.n = n
 
-    def construct(self, grads):
+    def construct(self, grads, factor):
         outs = ()
         for u in range(len(self.positions)):
             picked = ()
             for i in self.positions[u]:
                 picked = picked + (grads[i],)
-            outs = outs + (self.reducers[u](picked),)
+            if u > 0:  # one bucket after the other, so their temporaries can share memory
+                picked = (ops.depend(picked[0], outs[u - 1]),) + picked[1:]
+            reduced = self.reducers[u](picked)
+            if self.scale:
+                reduced = tuple(g * ops.cast(factor, g.dtype) for g in reduced)
+            outs = outs + (reduced,)
         result = ()
         for i in range(self.n):
             u, k = self.source[i]
-            if u < 0:
-                result = result + (grads[i],)
-            else:
+            if u >= 0:
                 result = result + (outs[u][k],)
+            elif self.scale:
+                result = result + (grads[i] * ops.cast(factor, grads[i].dtype),)
+            else:
+                result = result + (grads[i],)
         return result
 
 
@@ -140,8 +137,10 @@ class GatherInto(nn.Cell):
         values = self.gather(shards)
         done = ()
         for i in range(len(self.numels)):
-            value = values[i][:self.numels[i]].reshape(self.shapes[i])
-            done = done + (ops.assign(full_params[i], ops.cast(value, full_params[i].dtype)),)
+            value = values[i]
+            if value.shape[0] != self.numels[i]:  # drop the padding
+                value = value[:self.numels[i]]
+            done = done + (ops.assign(full_params[i], value.reshape(self.shapes[i])),)
         return done
 
 
@@ -211,6 +210,7 @@ class ZeroTrainOneStepCell(nn.Cell):
             self.full_params = ParameterTuple(full_params)
             self.master_shards = ParameterTuple(master_shards)
         self.accum_steps = config.gradient_accumulation_steps
+        self.world_size = world.world_size
         if self.accum_steps > 1:
             self.accum_buffers = ParameterTuple(accum_buffers)
             self.micro_step = Parameter(Tensor(0, ms.int32), name="zero_micro_step", requires_grad=False)
@@ -233,7 +233,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         loss = self.network(*inputs)
         sens = ops.fill(loss.dtype, loss.shape, ops.cast(scale, loss.dtype))
         grads = self.grad(self.network, self.weights)(*inputs, sens)
-        grads = self.micro(grads)
+        grads = self.micro(grads, scale)  # (no scaling here: the factor is applied once, at the boundary)
         if self.accum_steps == 1:
             overflow = self._apply(grads, scale)
         else:
@@ -258,9 +258,10 @@ class ZeroTrainOneStepCell(nn.Cell):
             ops.assign(buf, ops.depend(ops.zeros_like(buf), after))
 
     def _apply(self, grads, scale):
-        grads = self.boundary(grads)
-        inv = ops.reciprocal(ops.cast(scale, ms.float32) * self.accum_steps)
-        grads = tuple(g * ops.cast(inv, g.dtype) for g in grads)
+        # every reduction is a sum over the world: one multiply by 1 / (loss_scale * K * N), right after each
+        # collective, makes the sums means of the unscaled gradients
+        inv = ops.reciprocal(ops.cast(scale, ms.float32) * (self.accum_steps * self.world_size))
+        grads = self.boundary(grads, inv)
         overflow = self.any_rank(ops.logical_not(self._all_finite(grads)))
         if self.has_manager:
             overflow = self.loss_scaling_manager(self.scale_sense, overflow)
