@@ -61,6 +61,19 @@ def _ema_decay(ema, updates):
     return float(decay)
 
 
+_RECURSION_LIMIT = [1000]  # what mindzero last set (MindSpore has no getter)
+
+
+def _raise_recursion_limit(n_params: int) -> None:
+    """The train step loops over every gradient in graph mode; MindSpore's analysis nests one level per
+    element, and its default depth limit of 1000 stopped a 90-layer network (180 parameters) here.
+    Raise it to ``max(10000, 20 * n_params)`` (measured: 600 parameters compile at 10000)."""
+    need = max(10000, 20 * n_params)
+    if need > _RECURSION_LIMIT[0]:
+        ms.set_recursion_limit(need)
+        _RECURSION_LIMIT[0] = need
+
+
 def _check_options(optimizer_offload, parallel_modules):
     if not isinstance(optimizer_offload, bool):
         raise ValueError(f"optimizer_offload must be a bool, got {optimizer_offload!r}")
@@ -162,6 +175,9 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
         parallel_modules: mindone's argument; not needed (stage 3 works for any Cell): a value raises
             ``NotImplementedError``.
 
+    Side effect: MindSpore's graph recursion limit is raised to ``max(10000, 20 * parameters)``
+    (``mindspore.set_recursion_limit``), as the step's per-gradient loops need it for large networks.
+
     Returns:
         :class:`ZeroTrainOneStepCell`; ``loss, overflow, scale = train_net(*inputs)``.
 
@@ -185,6 +201,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
         offload_update(optimizer)
     plan = build_plan(network, optimizer, world)
     check_same_plan(plan, world, config.zero_stage)
+    _raise_recursion_limit(len(plan))
     specs = {s.name: s for s in plan}
     opt_params = list(optimizer.parameters)
     opt_specs = [specs[p.name] for p in opt_params]

@@ -12,8 +12,7 @@ Per step (``gradient_accumulation_steps = K``; ``N`` ranks in the op group):
    0-1, shards at stages 2-3) and steps 4-7 run on every K-th call only;
 4. *boundary reduction*: stage 0 all-reduces every gradient, stage 1
    reduce-scatters sharded ones, every stage all-reduces replicated ones
-   (with ``comm_fusion``, one collective per bucket, buckets one after the
-   other); then one multiply divides every gradient by ``loss_scale * K * N``
+   (with ``comm_fusion``, one collective per bucket); then one multiply divides every gradient by ``loss_scale * K * N``
    (N = the world), making the sums means;
 5. overflow: every rank checks its (shard of the) gradients for inf/nan and
    one all-reduce of the flags makes the decision shared by all ranks; a
@@ -78,34 +77,26 @@ class Reduction(nn.Cell):
         self.scale = scale
         self.reducers = nn.CellList([cell for _, cell in units])
         self.positions = tuple(tuple(pos) for pos, _ in units)
-        source = [(-1, 0)] * n
-        for u, pos in enumerate(self.positions):
-            for k, i in enumerate(pos):
-                source[i] = (u, k)
+        source = [-1] * n  # where gradient i is in the reducers' concatenated outputs (-1: passes through)
+        for j, i in enumerate(i for pos in self.positions for i in pos):
+            source[i] = j
         self.source = tuple(source)
         self.n = n
 
     def construct(self, grads, factor):
-        outs = ()
+        reduced = ()
         for u in range(len(self.positions)):
             picked = ()
             for i in self.positions[u]:
                 picked = picked + (grads[i],)
-            if u > 0:  # one bucket after the other, so their temporaries can share memory
-                picked = (ops.depend(picked[0], outs[u - 1]),) + picked[1:]
-            reduced = self.reducers[u](picked)
-            if self.scale:
-                reduced = tuple(g * ops.cast(factor, g.dtype) for g in reduced)
-            outs = outs + (reduced,)
+            reduced = reduced + self.reducers[u](picked)
         result = ()
         for i in range(self.n):
-            u, k = self.source[i]
-            if u >= 0:
-                result = result + (outs[u][k],)
-            elif self.scale:
-                result = result + (grads[i] * ops.cast(factor, grads[i].dtype),)
-            else:
-                result = result + (grads[i],)
+            j = self.source[i]
+            g = grads[i] if j < 0 else reduced[j]
+            if self.scale:
+                g = g * ops.cast(factor, g.dtype)
+            result = result + (g,)
         return result
 
 
