@@ -93,8 +93,11 @@ def state_tuples(optimizer) -> dict:
 
 
 def _replace_tuple(optimizer, attrs, old: ParameterTuple, new: list) -> None:
-    for p in old:
-        optimizer._params.pop(p.name, None)
+    # by identity: the key is the name at the optimizer's construction, which a later wrapping Cell
+    # may have prefixed (a stale entry would keep the full tensor alive)
+    gone = {id(p) for p in old}
+    for key in [k for k, v in optimizer._params.items() if id(v) in gone]:
+        del optimizer._params[key]
     new_tuple = ParameterTuple(new)
     for attr in attrs:
         object.__delattr__(optimizer, attr)

@@ -264,3 +264,27 @@ def test_many_parameters_compile():
         step = mindzero.prepare_train_network(net, nn.Adam(net.trainable_params(), 1e-3), zero_stage=stage)
         loss, overflow, _ = step(x)
         assert np.isfinite(float(loss.asnumpy())) and not bool(overflow.asnumpy())
+
+
+def test_stage3_frees_full_tensors_even_when_the_network_is_wrapped_later():
+    """An optimizer built before its network was wrapped knows its parameters under the old names; the full
+    parameters it held must still be released once stage 3 replaced them by shards. (Known gap: in this case
+    MindSpore still holds the full moments of AdamWeightDecay; with names unchanged they are released.)"""
+    import gc
+    import weakref
+
+    class Wrap(nn.Cell):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def construct(self, x):
+            return self.inner(x).mean()
+
+    inner = nn.SequentialCell([nn.Dense(64, 64) for _ in range(2)])
+    opt = nn.AdamWeightDecay(inner.trainable_params(), 1e-3)
+    ref = weakref.ref(inner.trainable_params()[0])
+    step = mindzero.prepare_train_network(Wrap(inner), opt, zero_stage=3)
+    gc.collect()
+    assert ref() is None
+    assert step.zero_info.plan["inner.0.weight"].sharded
