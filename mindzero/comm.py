@@ -298,6 +298,17 @@ class AllReduceSum(nn.Cell):
         return self.op(x)
 
 
+def _reduce_scatter_ops(world: World) -> tuple:
+    """``(op, dp)``: nothing for one rank; CPU: a world all-reduce; else the op group's reduce-scatter and,
+    hybrid, the dp group's all-reduce of the shard."""
+    if world.world_size == 1:
+        return None, None
+    if world.emulated:
+        return ops.AllReduce(ops.ReduceOp.SUM, world.world_group), None
+    dp = ops.AllReduce(ops.ReduceOp.SUM, world.dp_group) if world.hybrid else None
+    return ops.ReduceScatter(ops.ReduceOp.SUM, world.group), dp
+
+
 class ReduceScatterSum(nn.Cell):
     """Sum a flat tensor over the whole world and keep this rank's padded shard of the op group.
 
@@ -316,15 +327,7 @@ class ReduceScatterSum(nn.Cell):
         self.group_size = world.group_size
         self.rank = world.rank
         self.padding = padding
-        self.dp = None
-        if self.identity:
-            self.op = None
-        elif self.emulated:
-            self.op = ops.AllReduce(ops.ReduceOp.SUM, world.world_group)
-        else:
-            self.op = ops.ReduceScatter(ops.ReduceOp.SUM, world.group)
-            if world.hybrid:
-                self.dp = ops.AllReduce(ops.ReduceOp.SUM, world.dp_group)
+        self.op, self.dp = _reduce_scatter_ops(world)
 
     def construct(self, x):
         if self.identity:
@@ -393,15 +396,7 @@ class FusedReduceScatterSum(nn.Cell):
         self.offsets = tuple(sum(self.numels[:i]) for i in range(len(self.numels)))
         self.identity = world.world_size == 1
         self.emulated = world.emulated
-        self.dp = None
-        if self.identity:
-            self.op = None
-        elif self.emulated:
-            self.op = ops.AllReduce(ops.ReduceOp.SUM, world.world_group)
-        else:
-            self.op = ops.ReduceScatter(ops.ReduceOp.SUM, world.group)
-            if world.hybrid:
-                self.dp = ops.AllReduce(ops.ReduceOp.SUM, world.dp_group)
+        self.op, self.dp = _reduce_scatter_ops(world)
 
     def construct(self, tensors):
         if self.single is not None:
