@@ -208,21 +208,18 @@ def _gather_views(flat: World, op, dp) -> list:
 
 
 def own_shard(flat, padding: int, rank: int, group_size: int):
-    """Graph-mode: rank ``rank``'s contiguous 1/``group_size`` of ``flat`` zero-padded by ``padding``.
+    """Graph-mode: ``flat`` zero-padded by ``padding``, then rank ``rank``'s contiguous 1/``group_size``.
 
-    Slices first and pads only the tail that needs it, so a large tensor is not copied whole to pad it.
+    Pads the whole tensor before slicing: slicing a collective's output first and padding the tail made
+    MindSpore 2.10's CPU all-reduce write into a buffer of the slice's size ("RunRingAllReduce Memcpy
+    error"). Without padding or sharding the tensor is returned as it is.
     """
-    numel = flat.shape[0]
-    size = (numel + padding) // group_size
-    start = rank * size
-    valid = min(numel, start + size) - start
-    if valid >= size:
-        if start == 0 and size == numel:
-            return flat
-        return flat[start:start + size]
-    if valid <= 0:
-        return ops.zeros((size,), flat.dtype)
-    return ops.concat((flat[start:numel], ops.zeros((size - valid,), flat.dtype)))
+    if padding:
+        flat = ops.concat((flat, ops.zeros((padding,), flat.dtype)))
+    if group_size == 1:
+        return flat
+    size = flat.shape[0] // group_size
+    return flat[rank * size:(rank + 1) * size]
 
 
 class AllGather(nn.Cell):
