@@ -12,8 +12,9 @@ Per step (``gradient_accumulation_steps = K``; ``N`` ranks in the op group):
    0-1, shards at stages 2-3) and steps 4-7 run on every K-th call only;
 4. *boundary reduction*: stage 0 all-reduces every gradient, stage 1
    reduce-scatters sharded ones, every stage all-reduces replicated ones
-   (with ``comm_fusion``, one collective per bucket); then one multiply divides every gradient by ``loss_scale * K * N``
-   (N = the world), making the sums means;
+   (with ``comm_fusion``, one collective per bucket); then one multiply
+   divides every gradient by ``loss_scale * K * N`` (N = the world),
+   making the sums means;
 5. overflow: every rank checks its (shard of the) gradients for inf/nan and
    one all-reduce of the flags makes the decision shared by all ranks; a
    ``DynamicLossScaleUpdateCell`` updates the loss scale from it;
