@@ -1,10 +1,18 @@
-"""One configuration of ``zero_bench.py`` on every rank (launched by msrun; one launch per configuration, so
-each process's peak RSS belongs to that configuration alone).
+"""One configuration of ``zero_bench.py`` / ``max_model.py`` on every rank (launched by msrun; one launch per
+configuration, so each process's memory belongs to that configuration alone).
 
-Writes ``<out>/rank_<r>.json``: step times, peak RSS (VmHWM) and RSS after ``init()``, model-state bytes
-(``memory_report``, or counted for plain data parallel), the collective plan of one step, and, for plain
-data parallel, the time of single collectives of the model's size (to split the step into compute and
-communication).
+Phases, each with the RSS at its end and the peak RSS during it (``VmHWM``, reset between phases by writing
+``5`` to ``/proc/self/clear_refs``):
+
+* ``init``: ``mindspore.communication.init()`` (the framework; the baseline everything is measured above);
+* ``build``: the GPT and its optimizer (eager, or under :func:`mindzero.lazy_init` with ``--lazy``);
+* ``prepare``: ``nn.TrainOneStepCell`` (plain DP) or ``mindzero.prepare_train_network``;
+* ``first_step``: the first step (graph compile and one step);
+* ``steady``: the remaining steps.
+
+Writes ``<out>/rank_<r>.json``: the phases, step times, losses, model-state bytes (``memory_report``, or
+counted for plain data parallel), the collective plan of one step and, with ``--time-collectives`` (plain
+DP), the time of single collectives of the model's size.
 """
 import argparse
 import json
@@ -26,12 +34,34 @@ def status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def main():
+class Phases:
+    """RSS at the end of each phase and the peak during it (VmHWM reset at each phase's start)."""
+
+    def __init__(self):
+        self.rows = []
+        self.start = time.perf_counter()
+        self._reset()
+
+    @staticmethod
+    def _reset():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    def end(self, name: str) -> None:
+        now = time.perf_counter()
+        self.rows.append(dict(phase=name, rss_kib=status_kib("VmRSS"), peak_kib=status_kib("VmHWM"),
+                              seconds=now - self.start))
+        print(f"phase {name}: rss {self.rows[-1]['rss_kib'] / 1024:.0f} MiB, peak {self.rows[-1]['peak_kib'] / 1024:.0f}"
+              f" MiB, {now - self.start:.1f}s", flush=True)
+        self.start = now
+        self._reset()
+
+
+def parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True, help="dp, or a zero stage 0-3")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10, help="steps after the first")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--layers", type=int, default=14)
@@ -40,38 +70,74 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--bucket-mib", type=float, default=0, help="comm_fusion bucket (MiB) for all kinds; 0: off")
     ap.add_argument("--no-regather", action="store_true")
-    a = ap.parse_args()
+    ap.add_argument("--lazy", action="store_true", help="build the model under mindzero.lazy_init()")
+    ap.add_argument("--time-collectives", action="store_true", help="plain DP: time an all-reduce of Φ floats")
+    return ap.parse_args()
 
+
+def build(a, lazy: bool):
     import mindspore as ms
-    from mindspore import Tensor, nn, ops
-    from mindspore.communication import init
-
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    init()
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+    from mindspore import nn
+    from gpt import GPT, LMLoss
     import mindzero
-    from mindzero.comm import current_world
-    from mindzero.comm_plan import summarize
-    from gpt import GPT
-
-    world = current_world()
-    rss_init = status_kib("VmRSS")
-
-    class WithLoss(nn.Cell):
-        def __init__(self, net):
-            super().__init__()
-            self.net = net
-            self.loss = nn.CrossEntropyLoss()
-
-        def construct(self, tokens, targets):
-            logits = self.net(tokens)
-            return self.loss(logits.reshape((-1, logits.shape[-1])), targets.reshape((-1,)))
 
     ms.set_seed(0)
-    net = WithLoss(GPT(a.vocab, a.dim, a.layers, a.heads, a.seq, tied=True))
-    phi = sum(int(np.prod(p.shape)) for p in net.trainable_params())
-    opt = nn.AdamWeightDecay(net.trainable_params(), 1e-4, weight_decay=0.01)
+    if lazy:
+        with mindzero.lazy_init():
+            net = LMLoss(GPT(a.vocab, a.dim, a.layers, a.heads, a.seq, tied=True))
+            opt = nn.AdamWeightDecay(net.trainable_params(), 1e-4, weight_decay=0.01)
+    else:
+        net = LMLoss(GPT(a.vocab, a.dim, a.layers, a.heads, a.seq, tied=True))
+        opt = nn.AdamWeightDecay(net.trainable_params(), 1e-4, weight_decay=0.01)
+    return net, opt
+
+
+def time_collectives(phi, world):
+    """Single collectives of the model's size: an all-reduce of Φ floats (what DP does per step) and an
+    all-gather of Φ/N per rank."""
+    from mindspore import Tensor, ops
+
+    timing = {}
+    for name, op, size in (("all_reduce_phi", ops.AllReduce(), phi),
+                           ("all_gather_phi", ops.AllGather(), -(-phi // world.world_size))):
+        arg = Tensor(np.ones(size, np.float32))
+        op(arg).asnumpy()
+        runs = []
+        for _ in range(3):
+            t = time.perf_counter()
+            op(arg).asnumpy()
+            runs.append(time.perf_counter() - t)
+        timing[name] = float(np.median(runs))
+    return timing
+
+
+def dp_comm(net, world):
+    """The collectives of one plain-DP step: MindSpore's reducer all-reduces every gradient."""
+    from mindzero.comm_plan import CommShape, step_calls, summarize
+    from mindzero.config import STAGES, FusionConfig
+    from mindzero.plan import ParamInfo, PartitionPlan
+
+    specs = list(PartitionPlan.build([ParamInfo(p.name, tuple(p.shape)) for p in net.trainable_params()],
+                                     world.world_size, world.rank))
+    calls = step_calls(specs, [False] * len(specs), STAGES[0], CommShape(world.world_size, world.world_size, True),
+                       FusionConfig())
+    s = summarize([c for c in calls if c.nbytes > 4])  # no overflow flag in MindSpore's step
+    return {op: s[op] for op in s}
+
+
+def main():
+    a = parse_args()
+    import mindspore as ms
+    from mindspore import Tensor, nn
+
+    import mindzero
+    from mindzero.comm_plan import summarize
+
+    world = mindzero.start_data_parallel()
+    phases = Phases()
+    phases.end("init")
+    net, opt = build(a, a.lazy)
+    phases.end("build")
     if a.config == "dp":
         train = nn.TrainOneStepCell(net, opt)
         train.set_train()
@@ -82,11 +148,12 @@ def main():
             fusion = {k: {"openstate": True, "bucket_size": size} for k in ("allreduce", "reduce_scatter", "allgather")}
         train = mindzero.prepare_train_network(net, opt, zero_stage=int(a.config), comm_fusion=fusion,
                                                stage3_regather=not a.no_regather)
-    rss_prepared = status_kib("VmRSS")
-    hwm_prepared = status_kib("VmHWM")
-    rng = np.random.RandomState(world.rank)
+    phases.end("prepare")
+    phi = sum(int(np.prod(s)) for s in (p.shape for p in opt.parameters)) if a.config == "dp" else \
+        sum(s.numel for s in train.zero_info.plan if s.reason != "not updated by the optimizer (buffer or frozen)")
+    rng = np.random.RandomState(world.world_rank)
     times, losses = [], []
-    for i in range(a.warmup + a.steps):
+    for i in range(1 + a.steps):
         tokens = rng.randint(0, a.vocab, size=(a.batch, a.seq + 1)).astype(np.int32)
         x, y = Tensor(tokens[:, :-1]), Tensor(tokens[:, 1:])
         t = time.perf_counter()
@@ -95,51 +162,33 @@ def main():
         times.append(time.perf_counter() - t)
         losses.append(loss)
         print(f"step {i}: {times[-1]:.2f}s loss {loss:.4f}", flush=True)
-    result = dict(config=a.config, world=world.world_size, rank=world.rank, phi=phi, times=times[a.warmup:],
-                  compile_and_first_step=times[0], losses=losses, rss_init_kib=rss_init, vmhwm_kib=status_kib("VmHWM"),
-                  rss_prepared_kib=rss_prepared, vmhwm_prepared_kib=hwm_prepared, rss_end_kib=status_kib("VmRSS"),
-                  bucket_mib=a.bucket_mib, regather=not a.no_regather)
+        if i == 0:
+            phases.end("first_step")
+    if a.steps:
+        phases.end("steady")
+    result = dict(config=a.config, world=world.world_size, rank=world.world_rank, phi=phi, lazy=a.lazy,
+                  first_step_s=times[0], times=times[1:], losses=losses, phases=phases.rows,
+                  bucket_mib=a.bucket_mib, regather=not a.no_regather,
+                  model=dict(vocab=a.vocab, dim=a.dim, layers=a.layers, heads=a.heads, seq=a.seq, batch=a.batch))
     if a.config == "dp":
         params = sum(p.nbytes for p in net.get_parameters())
         moments = sum(p.nbytes for p in opt.moments1) + sum(p.nbytes for p in opt.moments2)
         result["memory"] = dict(parameters=params, gradients=0, optimizer_states=moments)
-        # single collectives of the model's size: AllReduce of every gradient (what DP does), AllGather of shards
-        flat = Tensor(np.ones(phi, np.float32))
-        shard = Tensor(np.ones(-(-phi // world.world_size), np.float32))
-        allreduce, allgather = ops.AllReduce(), ops.AllGather()
-        timing = {}
-        for name, op, arg in (("all_reduce_phi", allreduce, flat), ("all_gather_phi", allgather, shard)):
-            op(arg).asnumpy()
-            runs = []
-            for _ in range(3):
-                t = time.perf_counter()
-                op(arg).asnumpy()
-                runs.append(time.perf_counter() - t)
-            timing[name] = float(np.median(runs))
-        result["collective_seconds"] = timing
-        from mindzero.comm_plan import CommShape, step_calls
-        from mindzero.config import STAGES, FusionConfig
-        from mindzero.plan import ParamInfo, PartitionPlan
-        specs = list(PartitionPlan.build([ParamInfo(p.name, tuple(p.shape)) for p in net.trainable_params()],
-                                         world.world_size, world.rank))
-        calls = step_calls(specs, [False] * len(specs), STAGES[0], CommShape(world.world_size, world.world_size, True),
-                           FusionConfig())
-        s = summarize([c for c in calls if c.nbytes > 4])  # MindSpore's reducer: one all-reduce per gradient, no flag
-        result["comm"] = result["comm_real"] = {op: s[op] for op in s}
+        result["comm"] = result["comm_real"] = dp_comm(net, world)
+        if a.time_collectives:
+            result["collective_seconds"] = time_collectives(phi, world)
     else:
         rep = mindzero.memory_report(train)
         result["memory"] = {k: rep[k] for k in ("parameters", "gradients", "optimizer_states")}
         result["memory_expected"] = {k: rep["expected"][k] for k in ("parameters", "gradients", "optimizer_states")}
-        s = summarize(train.zero_info.calls)
-        result["comm"] = {op: s[op] for op in s}
-        s_real = summarize(train.zero_info.real_calls)
-        result["comm_real"] = {op: s_real[op] for op in s_real}
-    if a.config != "dp" and world.rank == 0:  # after the measurements: building the text costs memory too
+        result["comm"] = summarize(train.zero_info.calls)
+        result["comm_real"] = summarize(train.zero_info.real_calls)
+    out = Path(a.out)
+    (out / f"rank_{world.world_rank}.json").write_text(json.dumps(result, indent=1))
+    (out / f"rank_{world.world_rank}.done").write_text("ok")
+    if a.config != "dp" and world.world_rank == 0:  # after the measurements: building the text costs memory too
         from mindzero.prepare import plan_text
         print(plan_text(train), flush=True)
-    out = Path(a.out)
-    (out / f"rank_{world.rank}.json").write_text(json.dumps(result, indent=1))
-    (out / f"rank_{world.rank}.done").write_text("ok")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ _LAZY = {
     "memory_report": "mindzero.memory",
     "register_elementwise_optimizer": "mindzero.optim",
     "create_hybrid_groups": "mindzero.comm",
+    "start_data_parallel": "mindzero.runtime",
+    "release_host_memory": "mindzero.runtime",
+    "lazy_init": "mindzero.materialize",
 }
 
 __all__ = sorted(["STAGES", "StagePolicy", "ZeroConfig", "stage_policy", "expected_bytes", "ParamInfo",

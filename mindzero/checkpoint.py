@@ -24,13 +24,12 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from mindspore import Tensor, nn
+from mindspore import Tensor
 
 from .ckpt_io import MS_TO_NAME, open_reader
 from .comm import AllReduceSum, shared_cell
 from .plan import REASON_NOT_OPTIMIZED
 from .shard import GatherFull, shard_array
-from .train_step import map_cells
 from .split_info import COMPLETE, FORMATS, SplitInfo, entry_at, split_info_name, write_atomic
 
 
@@ -206,25 +205,17 @@ def _check_same_parameters(ckpt_dir, saved: SplitInfo, live) -> None:
                               + "; ".join(d for d in detail if d))
 
 
-class _GatherAll(nn.Cell):
-    def __init__(self, gathers):
-        super().__init__(auto_prefix=False)
-        self.gathers = nn.CellList(gathers)
-
-    def construct(self, *shards):
-        return map_cells(self.gathers, shards)
-
-
 def gather_full_state_dict(train_net, ema: bool = False) -> dict:
     """Every network parameter, full, under its original name: ``{name: numpy.ndarray}``.
 
     With ``ema=True`` the optimized parameters' values are their exponential moving averages
     (``prepare_train_network(..., ema=...)``), the weights to evaluate or export.
 
-    Collective: all ranks must call it (stage 3 all-gathers each shard once).
+    Collective: all ranks must call it (stage 3 all-gathers each shard, one tensor at a time: the
+    device holds one full tensor beyond the shards, the host the result).
     """
     info = train_net.zero_info
-    out, names, shards, gathers = {}, [], [], []
+    out = {}
     sharded_names = {s.name for s in info.plan if s.sharded} if info.config.policy.shard_parameters else set()
     params = list(train_net.network.get_parameters())
     if ema:
@@ -233,17 +224,17 @@ def gather_full_state_dict(train_net, ema: bool = False) -> dict:
                              "prepare_train_network")
         averages = dict(zip(info.opt_param_names, train_net.ema.ema_weights))
         params = [averages.get(p.name, p) for p in params]
+    gathers = {}  # GatherFull.key -> GatherFull: one compile per distinct shape
     for p in params:
         name = p.name[len("ema."):] if ema and p.name.startswith("ema.") else p.name
         if name in sharded_names:
-            names.append(name)
-            shards.append(p)
-            gathers.append(GatherFull(info.plan[name], info.world))
+            spec = info.plan[name]
+            key = GatherFull.key(spec)
+            if key not in gathers:
+                gathers[key] = GatherFull(spec, info.world)
+            out[name] = gathers[key](p).asnumpy()
         else:
             out[name] = p.asnumpy().copy()
-    if shards:
-        for name, value in zip(names, _GatherAll(gathers)(*shards)):
-            out[name] = value.asnumpy()
     return {s.name: out[s.name] for s in info.plan}
 
 

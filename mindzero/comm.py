@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import mindspore as ms
 from mindspore import Tensor, nn, ops
+from mindspore.ops._grad_experimental.grad_base import bprop_getters
 
 # Backends on which MindSpore registers a real ReduceScatter kernel.
 _REAL_REDUCE_SCATTER = ("GPU", "Ascend")
@@ -260,6 +261,73 @@ class AllGather(nn.Cell):
         return [p for p in (self.op, self.take if self.select is not None else None) if p is not None]
 
 
+class ShardGather(ops.AllGather):
+    """``AllGather`` of one parameter's shards whose backward is mindzero's reduce-scatter: the sum over
+    the world of the gradient, this rank's padded shard of the op group (see :func:`shard_gather`).
+
+    A primitive, not a Cell: stage 3 reads every parameter through one, and MindSpore 2.10 compiles a
+    Cell call per read site (about 35 ms each, 6 s for a 14-layer GPT) and crashes (SIGSEGV) when a
+    Cell's output only feeds ``is not None`` or goes unused (``if self.cls_token is not None:``, as in
+    mindcv's vision transformers). The kernel is ``AllGather``'s (``substitute_name``); the gradient is
+    the one registered below for this class.
+    """
+
+    substitute_name = "AllGather"
+
+
+def shard_gather(world: World, numel: int, padding: int):
+    """The :class:`ShardGather` for a parameter of ``numel`` elements padded by ``padding`` (forward:
+    ``(shard_size,) -> (rows * shard_size,)``), and ``select``: ``None``, or the rows (world ranks) of
+    this rank's op group that the caller keeps, in shard order (hybrid on CPU); ``(None, None)`` for a
+    world of one rank.
+
+    Backward (the gradient ``dout`` of the gathered rows): GPU/Ascend ``ReduceScatter`` over the op
+    group (+ ``AllReduce`` of the shard over the dp group, hybrid); CPU, and an op group of one rank: the
+    op group's rows of ``dout`` without padding, ``AllReduce`` over the world, this rank's padded slice:
+    exactly the tensor plain data parallel all-reduces, so the result is bit-identical to stage 0's.
+    """
+    if world.world_size == 1:
+        return None, None
+    emulated = world.emulated or world.group_size == 1
+    op = ShardGather(world.world_group if (emulated or not world.hybrid) else world.group)
+    op.zero_numel, op.zero_padding, op.zero_emulated = int(numel), int(padding), emulated
+    op.zero_world = world
+    # MindSpore caches a primitive's gradient by its name and attributes: make them differ where ours does
+    op.add_prim_attr("mindzero_numel", int(numel))
+    op.add_prim_attr("mindzero_padding", int(padding))
+    select = None
+    if emulated and world.hybrid:
+        select = Tensor(list(world.members), ms.int32)
+    op.zero_select = select
+    return op, select
+
+
+@bprop_getters.register(ShardGather)
+def _shard_gather_bprop(self):
+    world, numel, padding = self.zero_world, self.zero_numel, self.zero_padding
+    if not self.zero_emulated:
+        reduce_scatter, dp = _reduce_scatter_ops(world)
+
+        def bprop(x, out, dout):
+            grad = reduce_scatter(dout)
+            if dp is not None:
+                grad = dp(grad)
+            return (grad,)
+        return bprop
+    allreduce = ops.AllReduce(ops.ReduceOp.SUM, world.world_group)
+    select, rows = self.zero_select, world.world_size
+    rank, group_size = world.rank, world.group_size
+
+    def emulated_bprop(x, out, dout):
+        grad = dout
+        if select is not None:  # this op group's rows (the others are zero: the forward dropped them)
+            grad = ops.gather(grad.reshape((rows, -1)), select, 0).reshape((-1,))
+        if padding:
+            grad = grad[:numel]
+        return (own_shard(allreduce(grad), padding, rank, group_size),)
+    return emulated_bprop
+
+
 class AllReduceSum(nn.Cell):
     """Element-wise sum over the whole world (``scope="world"``) or over the op group.
 
@@ -309,32 +377,35 @@ def _reduce_scatter_ops(world: World) -> tuple:
 class ReduceScatterSum(nn.Cell):
     """Sum a flat tensor over the whole world and keep this rank's padded shard of the op group.
 
-    ``(numel,) -> (shard_size,)`` with ``shard_size = (numel + padding) / group_size``.
-    GPU/Ascend: zero-pad, then ``ReduceScatter`` over the op group (and, with hybrid
-    sharding, ``AllReduce`` of the shard over the dp group). CPU: ``AllReduce`` of the
-    *unpadded* tensor over the world, then pad and slice; all-reducing exactly the tensor a
-    plain data-parallel all-reduce would sum keeps the summation order, so the result is
-    bit-identical to stage 0's (hybrid or not).
+    ``(x (numel,), padding) -> (shard_size,)`` with ``shard_size = (numel + padding) / group_size``;
+    ``padding`` is a constant, so one instance serves every tensor (graph mode specializes it per
+    shape and padding). GPU/Ascend: zero-pad, then ``ReduceScatter`` over the op group (and, with
+    hybrid sharding, ``AllReduce`` of the shard over the dp group). CPU: ``AllReduce`` of the
+    *unpadded* tensor over the world, then pad and slice; all-reducing exactly the tensor a plain
+    data-parallel all-reduce would sum keeps the summation order, so the result is bit-identical to
+    stage 0's (hybrid or not).
     """
 
-    def __init__(self, world: World, padding: int = 0):
+    def __init__(self, world: World):
         super().__init__(auto_prefix=False)
         self.identity = world.world_size == 1
         self.emulated = world.emulated
         self.group_size = world.group_size
         self.rank = world.rank
-        self.padding = padding
         self.op, self.dp = _reduce_scatter_ops(world)
 
-    def construct(self, x):
+    def construct(self, x, padding):
         if self.identity:
-            return own_shard(x, self.padding, 0, 1)
+            return own_shard(x, padding, 0, 1)
         if self.emulated:
-            return own_shard(self.op(x), self.padding, self.rank, self.group_size)
-        y = self.op(own_shard(x, self.padding, 0, 1))
+            return own_shard(self.op(x), padding, self.rank, self.group_size)
+        y = self.op(own_shard(x, padding, 0, 1))
         if self.dp is not None:
             y = self.dp(y)
         return y
+
+    def primitives(self) -> list:
+        return [p for p in (self.op, self.dp) if p is not None]
 
 
 class AnyRank(nn.Cell):
@@ -362,81 +433,134 @@ def shared_cell(cls, world: World, scope: str = "world"):
     return _SHARED[key]
 
 
+# Graph-mode kernels, mapped over tuples of tensors with ``ops.Map`` (one node per tensor; no tuple grown
+# element by element, which unrolls into a graph quadratic in the number of tensors).
+_map = ops.Map()
+_flatten = ops.MultitypeFuncGraph("mindzero_flatten")
+_item = ops.MultitypeFuncGraph("mindzero_item")
+_own_part = ops.MultitypeFuncGraph("mindzero_own_part")
+_as_rows = ops.MultitypeFuncGraph("mindzero_as_rows")
+_reshape_as = ops.MultitypeFuncGraph("mindzero_reshape_as")
+
+
+@_flatten.register("Tensor")
+def _flatten_one(x):
+    return x.reshape((-1,))
+
+
+@_item.register("Tuple", "Number")
+def _item_at(values, i):
+    return values[i]
+
+
+@_own_part.register("Tensor", "Number", "Number", "Number", "Number", "Number")
+def _own_part_of(flat, rank, group_size, offset, numel, padding):
+    return own_shard(flat[offset:offset + numel], padding, rank, group_size)
+
+
+@_as_rows.register("Number", "Tensor", "Number")
+def _as_rows_of(group_size, x, padding):
+    return own_shard(x.reshape((-1,)), padding, 0, 1).reshape((group_size, -1))
+
+
+@_reshape_as.register("Tensor", "Tensor")
+def _reshape_as_of(part, like):
+    return part.reshape(like.shape)
+
+
+def pick(values, positions):
+    """Graph mode: ``(values[positions[0]], values[positions[1]], ...)``."""
+    return _map(ops.partial(_item, values), positions)
+
+
 def flat_concat(tensors):
     """Graph mode: the tensors flattened and concatenated (no copy for one tensor)."""
     if len(tensors) == 1:
         return tensors[0].reshape((-1,))
-    flat = ()
-    for t in tensors:
-        flat = flat + (t.reshape((-1,)),)
-    return ops.concat(flat)
+    return ops.concat(_map(_flatten, tensors))
+
+
+class Bucket:
+    """The constants of one ``comm_fusion`` bucket (or of one tensor without fusion), as graph-mode
+    arguments: per member its full element count, padding, shard size, and offset in the concatenation."""
+
+    @staticmethod
+    def of(specs) -> tuple:
+        numels = tuple(int(s.numel) for s in specs)
+        paddings = tuple(int(s.padding) for s in specs)
+        shard_sizes = tuple(int(s.shard_size) for s in specs)
+        offsets = tuple(sum(numels[:i]) for i in range(len(numels)))
+        return numels, paddings, shard_sizes, offsets
 
 
 class FusedReduceScatterSum(nn.Cell):
     """:class:`ReduceScatterSum` of several tensors in one collective (a ``comm_fusion`` bucket).
 
-    ``(t_0, ..., t_k) -> (shard_0, ..., shard_k)``, each shard this rank's padded 1/G of the sum over
-    the world of ``t_i`` flattened. GPU/Ascend: every tensor is zero-padded and laid out as ``(G, shard_i)``;
-    the rows are concatenated per rank so one ``ReduceScatter`` hands each rank its shard of every
-    tensor (plus, hybrid, one ``AllReduce`` over the dp group). CPU: one ``AllReduce`` over the world of
-    the unpadded tensors concatenated, then each rank slices its shards. With one tensor this is
-    exactly :class:`ReduceScatterSum`.
+    ``(tensors, bucket) -> (shard_0, ..., shard_k)``, each shard this rank's padded 1/G of the sum over
+    the world of ``tensors[i]`` flattened; ``bucket`` is :meth:`Bucket.of` the members' specs. GPU/Ascend:
+    every tensor is zero-padded and laid out as ``(G, shard_i)``; the rows are concatenated per rank so one
+    ``ReduceScatter`` hands each rank its shard of every tensor (plus, hybrid, one ``AllReduce`` over the
+    dp group). CPU: one ``AllReduce`` over the world of the unpadded tensors concatenated, then each rank
+    slices its shards. With one tensor this is exactly :class:`ReduceScatterSum`. One instance serves
+    every bucket.
     """
 
-    def __init__(self, world: World, numels, paddings):
+    def __init__(self, world: World):
         super().__init__(auto_prefix=False)
-        self.single = ReduceScatterSum(world, paddings[0]) if len(numels) == 1 else None
-        self.numels = tuple(int(n) for n in numels)
-        self.paddings = tuple(int(p) for p in paddings)
+        self.single = ReduceScatterSum(world)
         self.group_size, self.rank = world.group_size, world.rank
-        self.shard_sizes = tuple((n + p) // world.group_size for n, p in zip(self.numels, self.paddings))
-        self.offsets = tuple(sum(self.numels[:i]) for i in range(len(self.numels)))
         self.identity = world.world_size == 1
         self.emulated = world.emulated
-        self.op, self.dp = _reduce_scatter_ops(world)
+        self.op, self.dp = self.single.op, self.single.dp
 
-    def construct(self, tensors):
-        if self.single is not None:
-            return (self.single(tensors[0].reshape((-1,))),)
+    def construct(self, tensors, bucket):
+        numels, paddings, shard_sizes, offsets = bucket
+        if len(tensors) == 1:
+            return (self.single(tensors[0].reshape((-1,)), paddings[0]),)
         if self.identity or self.emulated:
             flat = flat_concat(tensors)
+            rank, size = 0, 1
             if not self.identity:
                 flat = self.op(flat)
-            out = ()
-            for i in range(len(self.numels)):
-                part = flat[self.offsets[i]:self.offsets[i] + self.numels[i]]
-                out = out + (own_shard(part, self.paddings[i], 0 if self.identity else self.rank,
-                                       1 if self.identity else self.group_size),)
-            return out
-        rows = ()
-        for i in range(len(self.numels)):
-            padded = own_shard(tensors[i].reshape((-1,)), self.paddings[i], 0, 1)
-            rows = rows + (padded.reshape((self.group_size, self.shard_sizes[i])),)
+                rank, size = self.rank, self.group_size
+            return _map(ops.partial(_own_part, flat, rank, size), offsets, numels, paddings)
+        rows = _map(ops.partial(_as_rows, self.group_size), tensors, paddings)
         mine = self.op(ops.concat(rows, 1).reshape((-1,)))
         if self.dp is not None:
             mine = self.dp(mine)
-        return ops.split(mine, self.shard_sizes)
+        return ops.split(mine, shard_sizes)
+
+
+class FusedAllReduceSum(nn.Cell):
+    """Sum over the world of several full tensors in one all-reduce (a ``comm_fusion`` bucket):
+    ``(tensors, bucket) -> tensors`` of the same shapes. One instance serves every bucket."""
+
+    def __init__(self, world: World):
+        super().__init__(auto_prefix=False)
+        self.sum = AllReduceSum(world, "world")
+
+    def construct(self, tensors, bucket):
+        if len(tensors) == 1:
+            return (self.sum(tensors[0]),)
+        parts = ops.split(self.sum(flat_concat(tensors)), bucket[0])
+        return _map(_reshape_as, parts, tensors)
 
 
 class FusedAllGather(nn.Cell):
     """:class:`AllGather` (op group) of several shards in one collective (a ``comm_fusion`` bucket).
 
-    ``(shard_0, ..., shard_k) -> (padded_0, ..., padded_k)``, ``padded_i`` the ``(G * shard_size_i,)``
+    ``(shards, bucket) -> (padded_0, ..., padded_k)``, ``padded_i`` the ``(G * shard_size_i,)``
     concatenation of every op-group rank's ``shard_i``. One tensor: exactly :class:`AllGather`.
+    One instance serves every bucket.
     """
 
-    def __init__(self, world: World, shard_sizes):
+    def __init__(self, world: World):
         super().__init__(auto_prefix=False)
         self.gather = AllGather(world)
-        self.shard_sizes = tuple(int(s) for s in shard_sizes)
         self.group_size = world.group_size
 
-    def construct(self, shards):
-        if len(self.shard_sizes) == 1:
+    def construct(self, shards, bucket):
+        if len(shards) == 1:
             return (self.gather(shards[0]),)
         rows = self.gather(flat_concat(shards)).reshape((self.group_size, -1))
-        parts = ops.split(rows, self.shard_sizes, 1)
-        out = ()
-        for part in parts:
-            out = out + (part.reshape((-1,)),)
-        return out
+        return _map(_flatten, ops.split(rows, bucket[2], 1))

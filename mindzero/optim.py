@@ -117,9 +117,11 @@ def shard_optimizer(optimizer, specs: list, shard_params: list) -> tuple:
     if len(specs) != len(old) or len(shard_params) != len(old):
         raise ValueError(f"specs ({len(specs)}) and shard_params ({len(shard_params)}) must match the optimizer's "
                          f"{len(old)} parameters")
+    from .materialize import materialize
+
     found = state_tuples(optimizer)
     for attr, states in found.items():
-        new = [make_shard(s, spec, s.name, requires_grad=False) if spec.sharded else s
+        new = [make_shard(s, spec, s.name, requires_grad=False) if spec.sharded else materialize(s)
                for s, spec in zip(states, specs)]
         _replace_tuple(optimizer, [attr], states, new)
     aliases = [attr for attr, value in vars(optimizer).items() if value is old]

@@ -4,14 +4,16 @@ Stage 3 technique (works for Cells nobody registered): for every Cell that
 owns a sharded Parameter under attribute ``w``, the Parameter is removed from
 the Cell, its shard is stored as ``w_zero_shard`` (keeping the parameter's
 original name), and a Python ``property`` named ``w`` is installed on a
-subclass made for that instance (``cell.__class__ = type(...)``). The property
-returns ``GatherFull(shard)``: the Cell's own ``construct`` reads ``self.w``
-unchanged and MindSpore's graph mode parses the property. ``GatherFull``
-all-gathers in forward and reduce-scatters (mean) in its custom ``bprop``, so
-the gradient w.r.t. a shard arrives already reduced over the op group.
+subclass of the Cell's class (one per class and set of sharded attributes;
+``cell.__class__ = ...``). The property returns
+``self._zero_gather_w.rebuild(self.w_zero_shard)``: the Cell's own
+``construct`` reads ``self.w`` unchanged and MindSpore's graph mode parses the
+property. :class:`GatherFull` all-gathers with a primitive whose gradient is
+mindzero's reduce-scatter (:class:`mindzero.comm.ShardGather`), so the
+gradient w.r.t. a shard arrives already summed over the world.
 
-A Parameter shared by several Cells (tied weights) gets one shard and one
-``GatherFull`` per reading Cell; their gradients add up.
+A Parameter shared by several Cells (tied weights) gets one shard, read through
+the ``GatherFull`` of each reading Cell's dtype; the gradients of the reads add up.
 
 Warning: outside ``construct`` reading ``cell.w`` of a stage-3 network runs an
 all-gather, so it must be done on all ranks.
@@ -22,7 +24,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
-from .comm import AllGather, ReduceScatterSum, World
+from .comm import ReduceScatterSum, World, shard_gather
 from .plan import ShardSpec
 
 SHARD_SUFFIX = "_zero_shard"
@@ -41,55 +43,89 @@ def shard_array(full: np.ndarray, spec: ShardSpec) -> np.ndarray:
     return out
 
 
-def make_shard(tensor_or_param, spec: ShardSpec, name: str, requires_grad: bool = True) -> Parameter:
-    """A new 1D Parameter named ``name`` holding this rank's padded shard of ``tensor_or_param``."""
-    return Parameter(Tensor(shard_array(tensor_or_param.asnumpy(), spec)), name=name, requires_grad=requires_grad)
+def make_shard(param, spec: ShardSpec, name: str, requires_grad: bool = True, digests=None) -> Parameter:
+    """A new 1D Parameter named ``name`` holding this rank's padded shard of ``param`` (which may be lazy:
+    see :func:`mindzero.materialize.shard_of`, which also fills ``digests``)."""
+    from .materialize import shard_of
+
+    return Parameter(Tensor(shard_of(param, spec, digests), param.dtype), name=name, requires_grad=requires_grad)
 
 
 class GatherFull(nn.Cell):
-    """Full parameter from its shard: all-gather in forward, reduce-scatter (sum over the world) in backward.
+    """The full parameter from its shard: :class:`mindzero.comm.ShardGather` (all-gather forward,
+    reduce-scatter backward), then (hybrid on CPU) this op group's rows, the padding dropped, the full
+    shape, the reading Cell's compute dtype.
 
-    Communication: forward AllGather of ``shard_size`` elements per rank; backward
-    ReduceScatter (CPU: AllReduce + slice) of ``padded_numel`` elements.
+    In graph mode the stage-3 property calls :meth:`rebuild` (a method: inlined like a function), never
+    the Cell itself (see :class:`~mindzero.comm.ShardGather` for why). PyNative, which does not use the
+    primitive's registered gradient, calls the Cell: its ``bprop`` is the same reduce-scatter. One
+    instance serves every parameter of the same full shape and reading dtype.
+
+    Communication: forward AllGather of ``shard_size`` elements per rank; backward ReduceScatter
+    (CPU: AllReduce of ``numel`` elements + slice).
     """
 
     def __init__(self, spec: ShardSpec, world: World, compute_dtype=None):
         super().__init__(auto_prefix=False)
         self.compute_dtype = compute_dtype  # the reading Cell's to_float() dtype, else None
-        self.gather = AllGather(world)
-        self.reduce_scatter = ReduceScatterSum(world, spec.padding)
+        self.gather, select = shard_gather(world, spec.numel, spec.padding)
+        self.identity = self.gather is None
+        self.has_select = select is not None
+        if self.has_select:
+            self.select, self.take, self.rows = select, ops.Gather(), world.world_size
         self.numel = spec.numel
-        self.padded = spec.padding > 0
+        self.padding = spec.padding
         self.shape = tuple(spec.shape)
         self.slice = ops.StridedSlice()
         self.reshape = ops.Reshape()
         self.cast = ops.Cast()
+        self.reduce_scatter = ReduceScatterSum(world)
+
+    @staticmethod
+    def key(spec: ShardSpec, compute_dtype=None) -> tuple:
+        """Parameters with equal keys can share one instance."""
+        return tuple(spec.shape), spec.padding, compute_dtype
 
     def regather(self):
-        """Recompute the gather in backward instead of keeping the full value from forward."""
-        for prim in self.gather.primitives() + [self.slice, self.reshape, self.cast]:
+        """Recompute the gather chain in backward instead of keeping the full value from forward."""
+        prims = [self.slice, self.reshape, self.cast]
+        if not self.identity:
+            prims.append(self.gather)
+        if self.has_select:
+            prims.append(self.take)
+        for prim in prims:
             prim.recompute()
 
-    def construct(self, shard):
-        full = self.gather(shard)
-        if self.padded:
+    def rebuild(self, shard):
+        full = shard
+        if not self.identity:
+            full = self.gather(shard)
+            if self.has_select:
+                full = self.reshape(self.take(self.reshape(full, (self.rows, -1)), self.select, 0), (-1,))
+        if self.padding:
             full = self.slice(full, (0,), (self.numel,), (1,))
         full = self.reshape(full, self.shape)
         if self.compute_dtype is not None:
             full = self.cast(full, self.compute_dtype)
         return full
 
-    def bprop(self, shard, out, dout):
-        grad = self.reduce_scatter(ops.cast(dout, shard.dtype).reshape((-1,)))
-        return (grad,)  # a sum over the world: the train step divides by the world size
+    def construct(self, shard):
+        return self.rebuild(shard)
+
+    def bprop(self, shard, out, dout):  # PyNative (see the class note)
+        return (self.reduce_scatter(ops.cast(dout, shard.dtype).reshape((-1,)), self.padding),)
 
 
-def _full_property(attr: str) -> property:
+def _full_property(attr: str, graph_mode: bool) -> property:
     gather_name = GATHER_PREFIX + attr
     shard_name = attr + SHARD_SUFFIX
 
-    def full(self):
-        return getattr(self, gather_name)(getattr(self, shard_name))
+    if graph_mode:
+        def full(self):
+            return getattr(self, gather_name).rebuild(getattr(self, shard_name))
+    else:
+        def full(self):
+            return getattr(self, gather_name)(getattr(self, shard_name))
 
     full.__name__ = attr
     return property(full, doc=f"full value of {attr!r}, gathered from its shard (mindzero stage 3)")
@@ -113,14 +149,21 @@ def compute_dtype(cell: nn.Cell):
     return None
 
 
-def _own_subclass(cell: nn.Cell) -> type:
-    """A class used by ``cell`` alone, so properties installed on it touch no other instance."""
-    cls = type(cell)
-    if cls.__dict__.get("_mindzero_owner") == id(cell):
-        return cls
-    sub = type(cls.__name__, (cls,), {"_mindzero_owner": id(cell), "__module__": cls.__module__})
-    cell.__class__ = sub
-    return sub
+_SUBCLASSES = {}  # (class, sharded attribute names) -> subclass with a property per sharded attribute
+
+
+def _sharded_subclass(cls: type, attrs) -> type:
+    """The subclass of ``cls`` whose instances read ``attrs`` through :func:`_full_property`.
+
+    Shared by every instance of ``cls`` with exactly these attributes sharded (one class, not one per
+    instance); an instance's class changes only if it holds sharded parameters.
+    """
+    key = (cls, tuple(sorted(attrs)), ms.get_context("mode") == ms.GRAPH_MODE)
+    if key not in _SUBCLASSES:
+        body = {attr: _full_property(attr, key[2]) for attr in key[1]}
+        body.update(__module__=cls.__module__, _mindzero_sharded=key[1])
+        _SUBCLASSES[key] = type(cls.__name__, (cls,), body)
+    return _SUBCLASSES[key]
 
 
 def check_pynative_recompute(network: nn.Cell, specs: dict) -> None:
@@ -144,7 +187,8 @@ def check_pynative_recompute(network: nn.Cell, specs: dict) -> None:
                              "(the target), or do not call recompute() on it")
 
 
-def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regather: bool = True) -> dict:
+def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regather: bool = True,
+                             digests=None) -> dict:
     """Stage 3: replace every sharded Parameter of ``network`` by its shard, in place.
 
     Args:
@@ -155,28 +199,33 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regath
             the parameter again instead of keeping the full value alive from forward (peak gathered
             memory about one layer's parameters instead of the whole model's; docs/performance.md).
             PyNative ignores it (its recompute loses the gather's ``bprop``).
+        digests: receives the CRC32 of each full value computed (see :func:`make_shard`).
 
     Returns:
         parameter name -> shard Parameter (one per full Parameter, shared by tied uses).
     """
     shards = {}
-    gathers = {}  # (name, compute dtype) -> GatherFull: a gather is shared by the Cells reading one parameter
+    gathers = {}  # GatherFull.key -> GatherFull, shared by every parameter with that shape and reading dtype
     for _, cell in network.cells_and_names():
+        attrs = []
         for attr, param in list(cell._params.items()):
             if param is None or param.name not in specs or not specs[param.name].sharded:
                 continue
             spec = specs[param.name]
             if param.name not in shards:
-                shards[param.name] = make_shard(param, spec, param.name, param.requires_grad)
-            key = (param.name, compute_dtype(cell))
+                shards[param.name] = make_shard(param, spec, param.name, param.requires_grad, digests)
+            dtype = compute_dtype(cell)
+            key = GatherFull.key(spec, dtype)
             if key not in gathers:
-                gathers[key] = GatherFull(spec, world, key[1])
+                gathers[key] = GatherFull(spec, world, dtype)
                 if regather and ms.get_context("mode") == ms.GRAPH_MODE:
                     gathers[key].regather()
             del cell._params[attr]
             cell.insert_param_to_cell(attr + SHARD_SUFFIX, shards[param.name])
             cell.insert_child_to_cell(GATHER_PREFIX + attr, gathers[key])
-            setattr(_own_subclass(cell), attr, _full_property(attr))
+            attrs.append(attr)
+        if attrs:
+            cell.__class__ = _sharded_subclass(type(cell), attrs)
     return shards
 
 

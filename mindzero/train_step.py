@@ -32,108 +32,209 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from .comm import (AllReduceSum, AnyRank, FusedAllGather, FusedReduceScatterSum, World, flat_concat,
-                   own_shard)
+from .runtime import release_host_memory
+from .comm import (AllGather, AllReduceSum, AnyRank, Bucket, FusedAllGather, FusedAllReduceSum, FusedReduceScatterSum,
+                   ReduceScatterSum, World, own_shard, pick)
+
+# Per-tensor work is written as kernels mapped over the gradient tuple with ``ops.Map`` (MindSpore's own
+# idiom, ``nn/wrap/grad_reducer.py``): the graph holds one call per tensor, and nothing grows a tuple one
+# element at a time (which unrolls into a graph quadratic in the number of tensors). Per-tensor constants
+# (paddings, positions, buckets) are tuples of Python numbers mapped alongside. A Cell a kernel calls is mapped
+# as an element too (a tuple of Cells): bound with ``ops.partial`` instead, MindSpore 2.10 fails to compile
+# the step ("The pointer[cnode_abs] is null"), as it does when a kernel chooses between two Cells with ``if``.
+_map = ops.Map()
+_reduce_unit = ops.MultitypeFuncGraph("mindzero_reduce_unit")
+_route = ops.MultitypeFuncGraph("mindzero_route")
+_reduce_grad = ops.MultitypeFuncGraph("mindzero_reduce_grad")
+_scale = ops.MultitypeFuncGraph("mindzero_scale")
+_finite = ops.MultitypeFuncGraph("mindzero_finite")
+_norm_sq = ops.MultitypeFuncGraph("mindzero_norm_sq")
+_accumulate = ops.MultitypeFuncGraph("mindzero_accumulate")
+_zero_after = ops.MultitypeFuncGraph("mindzero_zero_after")
+_depend_on = ops.MultitypeFuncGraph("mindzero_depend_on")
+_gather_unit = ops.MultitypeFuncGraph("mindzero_gather_unit")
+_write_full = ops.MultitypeFuncGraph("mindzero_write_full")
+_ema_update = ops.MultitypeFuncGraph("mindzero_ema_update")
+
+ALL_REDUCE, REDUCE_SCATTER = 1, 2  # Reduction unit kinds
+REPLICATED, SHARD, OWN_SLICE = 0, 1, 2  # what a gradient is at clip time, for the norm
 
 
-class Identity(nn.Cell):
-    def construct(self, x):
-        return x
+@_reduce_unit.register("Tuple", "Function", "Tuple", "Tuple")
+def _reduce_one_unit(grads, reducer, positions, bucket):
+    return reducer(pick(grads, positions), bucket)
 
 
-class SumAllReduce(nn.Cell):
-    """Sum over the world of full gradients, one all-reduce for the bucket (the train step divides by
-    the world size once, with the loss scale)."""
+@_reduce_grad.register("Tensor", "Bool", "Function", "Number", "Tensor")
+def _reduce_one_grad(factor, scale, reducer, padding, g):
+    g = reducer(g, padding)
+    if scale:
+        return g * ops.cast(factor, g.dtype)
+    return g
 
-    def __init__(self, specs, world: World):
+
+@_route.register("Tuple", "Tuple", "Tensor", "Bool", "Number", "Number", "Number")
+def _route_one(grads, reduced, factor, scale, i, unit, index):
+    if unit < 0:
+        g = grads[i]
+    else:
+        g = reduced[unit][index]
+    if scale:
+        return g * ops.cast(factor, g.dtype)
+    return g
+
+
+@_scale.register("Tensor", "Tensor")
+def _scale_one(factor, g):
+    return g * ops.cast(factor, g.dtype)
+
+
+@_finite.register("Tensor")
+def _finite_one(g):
+    return ops.isfinite(g).all()
+
+
+@_norm_sq.register("Number", "Number", "Number", "Number", "Number", "Tensor")
+def _norm_sq_one(want, rank, group_size, kind, padding, g):
+    """Sum of squares (shape ``(1,)``, fp32) of the part of ``g`` this rank counts in the global norm, if
+    ``g``'s norm kind is ``want`` (sharded or replicated); zero otherwise (adding it changes nothing)."""
+    if (kind == REPLICATED) != (want == REPLICATED):
+        return ops.zeros((1,), ms.float32)
+    if kind == OWN_SLICE:
+        g = own_shard(g.reshape((-1,)), padding, rank, group_size)
+    return ops.reduce_sum(ops.square(ops.cast(g, ms.float32))).reshape((1,))
+
+
+@_accumulate.register("Tensor", "Tensor")
+def _accumulate_one(buf, g):
+    return ops.assign_add(buf, g)
+
+
+@_zero_after.register("Tensor", "Tensor")
+def _zero_one_after(after, buf):
+    return ops.assign(buf, ops.depend(ops.zeros_like(buf), after))
+
+
+@_depend_on.register("Tensor", "Tensor")
+def _depend_one_on(after, x):
+    return ops.depend(x, after)
+
+
+@_gather_unit.register("Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
+def _gather_one_unit(after, fulls, shards, gather, positions, bucket):
+    values = gather(_map(ops.partial(_depend_on, after), pick(shards, positions)), bucket)
+    return _map(_write_full, pick(fulls, positions), values)
+
+
+_gather_write = ops.MultitypeFuncGraph("mindzero_gather_write")
+
+
+@_gather_write.register("Tensor", "Function", "Tensor", "Tensor")
+def _gather_write_one(after, gather, full, shard):
+    return _write_one_full(full, gather(ops.depend(shard, after)))
+
+
+@_write_full.register("Tensor", "Tensor")
+def _write_one_full(full, value):
+    if value.shape[0] != full.size:  # drop the padding
+        value = value[:full.size]
+    return ops.assign(full, value.reshape(full.shape))
+
+
+@_ema_update.register("Tensor", "Tensor", "Tensor")
+def _ema_update_one(d, ema, w):
+    factor = ops.cast(d, ema.dtype)
+    return ops.assign(ema, ema * factor + ops.cast(w, ema.dtype) * (1.0 - factor))
+
+
+class _Keep(nn.Cell):
+    def construct(self, g, padding):
+        return g
+
+
+class _SumAll(nn.Cell):
+    def __init__(self, world: World):
         super().__init__(auto_prefix=False)
         self.sum = AllReduceSum(world, "world")
-        self.shapes = tuple(tuple(s.shape) for s in specs)
-        self.sizes = tuple(s.numel for s in specs)
 
-    def construct(self, grads):
-        if len(self.shapes) == 1:
-            return (self.sum(grads[0]),)
-        parts = ops.split(self.sum(flat_concat(grads)), self.sizes)
-        out = ()
-        for i in range(len(self.shapes)):
-            out = out + (parts[i].reshape(self.shapes[i]),)
-        return out
+    def construct(self, g, padding):
+        return self.sum(g)
 
 
-def SumReduceScatter(specs, world: World):
-    """Sum over the world of full local gradients, keeping this rank's padded 1D shard of each
-    (one reduce-scatter for the bucket)."""
-    return FusedReduceScatterSum(world, [s.numel for s in specs], [s.padding for s in specs])
+class _SumShard(nn.Cell):
+    def __init__(self, world: World):
+        super().__init__(auto_prefix=False)
+        self.reduce_scatter = ReduceScatterSum(world)
+
+    def construct(self, g, padding):
+        return self.reduce_scatter(g.reshape((-1,)), padding)
 
 
 class Reduction(nn.Cell):
-    """Apply bucket reducers to a tuple of gradients: ``units`` are ``(positions, cell)``; ``cell`` takes the
-    gradients at ``positions`` (a tuple) and returns as many; other positions pass through. With ``scale``
-    every output is multiplied by ``factor`` right after its collective (as ``DistributedGradReducer``
-    does with the mean), so no second full copy of the gradients is made later."""
+    """Reduce a tuple of gradients unit by unit: a unit is ``(positions, kind, specs)``, ``kind``
+    :data:`ALL_REDUCE` (sum over the world, full tensors) or :data:`REDUCE_SCATTER` (sum over the world,
+    this rank's padded 1D shard); one collective per unit (one tensor per unit without ``comm_fusion``,
+    a bucket with it). Positions in no unit pass through. With ``scale`` every output is multiplied by
+    ``factor`` right after its collective (as ``DistributedGradReducer`` does with the mean), so no second
+    full copy of the gradients is made later.
 
-    def __init__(self, n: int, units, scale: bool = False):
+    Communication: one collective per unit, in unit order.
+    """
+
+    def __init__(self, n: int, units, world: World, scale: bool = False):
         super().__init__(auto_prefix=False)
         self.scale = scale
-        self.reducers = nn.CellList([cell for _, cell in units])
-        self.positions = tuple(tuple(pos) for pos, _ in units)
-        source = [-1] * n  # where gradient i is in the reducers' concatenated outputs (-1: passes through)
-        for j, i in enumerate(i for pos in self.positions for i in pos):
-            source[i] = j
-        self.source = tuple(source)
-        self.n = n
+        self.positions = tuple(tuple(pos) for pos, _, _ in units)
+        self.per_tensor = all(len(pos) == 1 for pos in self.positions)
+        if self.per_tensor:  # one Map over the gradients, each with its reducer (the common case)
+            keep, sum_all, sum_shard = _Keep(), _SumAll(world), _SumShard(world)
+            reducers, paddings = [keep] * n, [0] * n
+            for (i,), kind, (spec,) in units:
+                reducers[i] = sum_shard if kind == REDUCE_SCATTER else sum_all
+                paddings[i] = spec.padding
+            self.reducers, self.paddings = tuple(reducers), tuple(paddings)
+            self.reducer_cells = nn.CellList([keep, sum_all, sum_shard])
+            return
+        allreduce, reduce_scatter = FusedAllReduceSum(world), FusedReduceScatterSum(world)
+        self.reducer_cells = nn.CellList([allreduce, reduce_scatter])
+        self.reducers = tuple(reduce_scatter if kind == REDUCE_SCATTER else allreduce for _, kind, _ in units)
+        self.buckets = tuple(Bucket.of(specs) for _, _, specs in units)
+        unit_of, index_of = [-1] * n, [0] * n
+        for u, pos in enumerate(self.positions):
+            for j, i in enumerate(pos):
+                unit_of[i], index_of[i] = u, j
+        self.unit_of, self.index_of, self.indices = tuple(unit_of), tuple(index_of), tuple(range(n))
 
     def construct(self, grads, factor):
-        reduced = ()
-        for u in range(len(self.positions)):
-            picked = ()
-            for i in self.positions[u]:
-                picked = picked + (grads[i],)
-            reduced = reduced + self.reducers[u](picked)
-        result = ()
-        for i in range(self.n):
-            j = self.source[i]
-            g = grads[i] if j < 0 else reduced[j]
-            if self.scale:
-                g = g * ops.cast(factor, g.dtype)
-            result = result + (g,)
-        return result
-
-
-class OwnSlice(nn.Cell):
-    """This rank's padded shard of a full gradient (no communication): the part of the
-    global norm this rank sums at stage 0, so every stage sums the same numbers in the same order."""
-
-    def __init__(self, padding: int, world: World):
-        super().__init__(auto_prefix=False)
-        self.padding = padding
-        self.rank = world.rank
-        self.group_size = world.group_size
-
-    def construct(self, grad):
-        return own_shard(grad.reshape((-1,)), self.padding, self.rank, self.group_size)
+        if self.per_tensor:
+            return _map(ops.partial(_reduce_grad, factor, self.scale), self.reducers, self.paddings, grads)
+        reduced = _map(ops.partial(_reduce_unit, grads), self.reducers, self.positions, self.buckets)
+        return _map(ops.partial(_route, grads, reduced, factor, self.scale), self.indices, self.unit_of,
+                    self.index_of)
 
 
 class GatherInto(nn.Cell):
-    """Stages 1-2: all-gather a bucket of updated master shards and write each into its full network
-    parameter (one all-gather per bucket)."""
+    """Stages 1-2: all-gather updated master shards and write each into its full network parameter
+    (one all-gather per ``comm_fusion`` bucket; per tensor without fusion).
 
-    def __init__(self, specs, world: World):
+    ``units`` are ``(positions, specs)`` into the ``fulls`` / ``shards`` tuples.
+    """
+
+    def __init__(self, units, world: World):
         super().__init__(auto_prefix=False)
-        self.gather = FusedAllGather(world, [s.shard_size for s in specs])
-        self.numels = tuple(s.numel for s in specs)
-        self.shapes = tuple(tuple(s.shape) for s in specs)
+        self.positions = tuple(tuple(pos) for pos, _ in units)
+        self.buckets = tuple(Bucket.of(specs) for _, specs in units)
+        self.per_tensor = all(len(pos) == 1 for pos in self.positions)
+        self.gather = AllGather(world) if self.per_tensor else FusedAllGather(world)
+        self.gathers = (self.gather,) * len(units)  # mapped with the units (see the note at the top)
 
-    def construct(self, full_params, shards):
-        values = self.gather(shards)
-        done = ()
-        for i in range(len(self.numels)):
-            value = values[i]
-            if value.shape[0] != self.numels[i]:  # drop the padding
-                value = value[:self.numels[i]]
-            done = done + (ops.assign(full_params[i], value.reshape(self.shapes[i])),)
-        return done
+    def construct(self, fulls, shards, after):
+        """Gather after ``after``; returns ``after`` made to depend on every write."""
+        if self.per_tensor:
+            done = _map(ops.partial(_gather_write, after), self.gathers, fulls, shards)
+        else:
+            done = _map(ops.partial(_gather_unit, after, fulls, shards), self.gathers, self.positions, self.buckets)
+        return ops.depend(after, done)
 
 
 class ZeroEMA(nn.Cell):
@@ -157,21 +258,8 @@ class ZeroEMA(nn.Cell):
         updates = self.updates + (1.0 - keep)
         d = self.decay * (1.0 - ops.exp(-updates / 2000.0))
         d = keep + (1.0 - keep) * d  # 1 on a skipped step: the EMA stays as it is
-        done = (ops.assign(self.updates, updates),)
-        for i in range(len(self.ema_weights)):
-            ema = self.ema_weights[i]
-            w = ops.cast(weights[i], ema.dtype)
-            factor = ops.cast(d, ema.dtype)
-            done = done + (ops.assign(ema, ema * factor + w * (1.0 - factor)),)
-        return done
-
-
-def map_cells(cells, values):
-    """Graph-mode map: ``(cells[0](values[0]), cells[1](values[1]), ...)``."""
-    out = ()
-    for i in range(len(values)):
-        out = out + (cells[i](values[i]),)
-    return out
+        done = _map(ops.partial(_ema_update, d), self.ema_weights, weights)
+        return ops.depend(ops.assign(self.updates, updates), done)
 
 
 class ZeroTrainOneStepCell(nn.Cell):
@@ -181,9 +269,8 @@ class ZeroTrainOneStepCell(nn.Cell):
     optimizer re-pointing); this Cell only orders them.
     """
 
-    def __init__(self, network, optimizer, weights, micro, boundary, norm_slicers,
-                 norm_sharded_flags, gather_units, full_params, master_shards, accum_buffers, scale_sense, manager,
-                 config, world, ema=None):
+    def __init__(self, network, optimizer, weights, micro, boundary, norm, gather, full_params, master_shards,
+                 accum_buffers, scale_sense, manager, config, world, ema=None):
         super().__init__(auto_prefix=False)
         self.network = network
         self.network.set_grad()
@@ -192,13 +279,14 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
         self.micro = micro  # Reduction: stage 2's reduce-scatter of each micro-step's gradients
         self.boundary = boundary  # Reduction: the reductions at the accumulation boundary
-        self.norm_slicers = nn.CellList(norm_slicers)
-        self.sharded_idx = tuple(i for i, s in enumerate(norm_sharded_flags) if s)
-        self.replicated_idx = tuple(i for i, s in enumerate(norm_sharded_flags) if not s)
-        self.gathers = nn.CellList([cell for _, cell in gather_units])
-        self.gather_positions = tuple(tuple(pos) for pos, _ in gather_units)
-        self.gather_after_step = len(gather_units) > 0
+        # per gradient (optimizer order): (norm kind, padding) for the clip norm (see _norm_sq_one)
+        self.norm_kinds = tuple(kind for kind, _ in norm)
+        self.norm_paddings = tuple(padding for _, padding in norm)
+        self.has_sharded_norm = any(kind != REPLICATED for kind, _ in norm)
+        self.rank, self.group_size = world.rank, world.group_size
+        self.gather_after_step = gather is not None
         if self.gather_after_step:
+            self.gather = gather
             self.full_params = ParameterTuple(full_params)
             self.master_shards = ParameterTuple(master_shards)
         self.accum_steps = config.gradient_accumulation_steps
@@ -219,6 +307,16 @@ class ZeroTrainOneStepCell(nn.Cell):
         if self.has_ema:
             self.ema = ema
         self.set_train(True)
+        self._compiled = False
+
+    def __call__(self, *args, **kwargs):
+        if not self._compiled and ms.get_context("mode") == ms.GRAPH_MODE:
+            # compile first, then give the compiler's freed heap back to the OS before the step allocates
+            # its own memory (glibc keeps it resident otherwise; docs/performance.md)
+            self.compile(*args, **kwargs)
+            release_host_memory()
+        self._compiled = True
+        return super().__call__(*args, **kwargs)
 
     def construct(self, *inputs):
         scale = self.scale_sense * 1.0
@@ -229,32 +327,21 @@ class ZeroTrainOneStepCell(nn.Cell):
         if self.accum_steps == 1:
             overflow = self._apply(grads, scale)
         else:
-            step = ops.depend(self.micro_step + 1, self._accumulate(grads))
+            step = ops.depend(self.micro_step + 1, _map(_accumulate, self.accum_buffers, grads))
             ops.assign(self.micro_step, step)
             overflow = ops.zeros((), ms.bool_)
             if step % self.accum_steps == 0:
-                grads = tuple(ops.depend(buf, step) for buf in self.accum_buffers)
+                grads = _map(ops.partial(_depend_on, step), self.accum_buffers)
                 overflow = self._apply(grads, scale)
-                self._zero_buffers(overflow)
+                overflow = ops.depend(overflow, _map(ops.partial(_zero_after, overflow), self.accum_buffers))
         return loss, overflow, scale
-
-    def _accumulate(self, grads):
-        done = ()
-        for i in range(len(grads)):
-            done = done + (ops.assign_add(self.accum_buffers[i], grads[i]),)
-        return done
-
-    def _zero_buffers(self, after):
-        for i in range(len(self.accum_buffers)):
-            buf = self.accum_buffers[i]
-            ops.assign(buf, ops.depend(ops.zeros_like(buf), after))
 
     def _apply(self, grads, scale):
         # every reduction is a sum over the world: one multiply by 1 / (loss_scale * K * N), right after each
         # collective, makes the sums means of the unscaled gradients
         inv = ops.reciprocal(ops.cast(scale, ms.float32) * (self.accum_steps * self.world_size))
         grads = self.boundary(grads, inv)
-        overflow = self.any_rank(ops.logical_not(self._all_finite(grads)))
+        overflow = self.any_rank(ops.logical_not(ops.stack(_map(_finite, grads)).all()))
         if self.has_manager:
             overflow = self.loss_scaling_manager(self.scale_sense, overflow)
         if self.clip_grad:
@@ -267,17 +354,11 @@ class ZeroTrainOneStepCell(nn.Cell):
         if self.gather_after_step:
             # Outside the overflow branch: there, MindSpore 2.10 (CPU) dropped the last
             # of a chain of assigns. On a skipped step the gather rewrites the same values.
-            overflow = self._gather_params(overflow)
+            overflow = self.gather(self.full_params, self.master_shards, overflow)
         if self.has_ema:  # after the gather, so stages 1-2 average the updated full parameters
             skipped = overflow if self.drop_overflow_update else ops.zeros((), ms.bool_)
             overflow = ops.depend(overflow, self.ema(self.weights, skipped))
         return overflow
-
-    def _all_finite(self, grads):
-        flags = ()
-        for g in grads:
-            flags = flags + (ops.isfinite(g).all(),)
-        return ops.stack(flags).all()
 
     def _clip(self, grads):
         """Scale every gradient by ``clip_norm / max(global_norm, clip_norm)``.
@@ -287,26 +368,12 @@ class ZeroTrainOneStepCell(nn.Cell):
         gradients are added once. Every stage therefore gets the same clip factor to
         the bit (a plain full-tensor norm would differ from the sharded one in rounding).
         """
-        sharded_sq = ops.zeros((1,), ms.float32)
-        for i in self.sharded_idx:
-            part = self.norm_slicers[i](grads[i])
-            sharded_sq = sharded_sq + ops.reduce_sum(ops.square(ops.cast(part, ms.float32)))
-        if len(self.sharded_idx) > 0:
-            sharded_sq = self.sum_over_group(sharded_sq)
-        total_sq = sharded_sq
-        for i in self.replicated_idx:
-            total_sq = total_sq + ops.reduce_sum(ops.square(ops.cast(grads[i], ms.float32)))
+        total_sq = ops.addn(_map(ops.partial(_norm_sq, REPLICATED, self.rank, self.group_size), self.norm_kinds,
+                                 self.norm_paddings, grads))
+        if self.has_sharded_norm:
+            sharded_sq = ops.addn(_map(ops.partial(_norm_sq, SHARD, self.rank, self.group_size), self.norm_kinds,
+                                       self.norm_paddings, grads))
+            total_sq = self.sum_over_group(sharded_sq) + total_sq
         norm = ops.sqrt(total_sq)
         factor = self.clip_norm / ops.maximum(norm, self.clip_norm)
-        return tuple(g * ops.cast(factor[0], g.dtype) for g in grads)
-
-    def _gather_params(self, after):
-        """Stages 1-2: all-gather every master shard into its full parameter (one collective per bucket),
-        after ``after``."""
-        for u in range(len(self.gathers)):
-            fulls, shards = (), ()
-            for i in self.gather_positions[u]:
-                fulls = fulls + (self.full_params[i],)
-                shards = shards + (ops.depend(self.master_shards[i], after),)
-            after = ops.depend(after, self.gathers[u](fulls, shards))
-        return after
+        return _map(ops.partial(_scale, factor[0]), grads)

@@ -180,7 +180,7 @@ def check_collectives(world, out_dir):
     """AnyRank / ReduceScatterSum / AllGather against numpy, on this world."""
     n, r = world.group_size, world.rank
     x = np.arange(3 * n, dtype=np.float32) * (r + 1)
-    rs = ReduceScatterSum(world)(Tensor(x)).asnumpy()
+    rs = ReduceScatterSum(world)(Tensor(x), 0).asnumpy()
     expect_rs = (np.arange(3 * n, dtype=np.float32) * sum(range(1, n + 1)))[3 * r:3 * r + 3]
     ag = AllGather(world)(Tensor(np.full(2, r, np.float32))).asnumpy()
     any_last = bool(AnyRank(world)(Tensor(r == n - 1)).asnumpy())
