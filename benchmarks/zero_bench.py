@@ -2,25 +2,25 @@
 
     .venv/bin/python benchmarks/zero_bench.py [--worlds 2,4] [--configs dp,0,1,2,3] [--out runs/zero_bench]
 
-For each world size, one msrun launch per configuration (so each process's peak RSS is that
-configuration's alone) trains the same GPT (default 14 layers, width 768, vocab 8192, tied head:
-105M parameters, fp32, AdamWeightDecay) on random tokens: ``dp`` is ``nn.TrainOneStepCell`` under
-MindSpore's DATA_PARALLEL context (its own gradient all-reduce), ``0``-``3`` are
-``mindzero.prepare_train_network(zero_stage=...)`` with ``comm_fusion`` buckets of ``--bucket-mib``.
+For each world size, one msrun launch per configuration (so each process's memory is that
+configuration's alone) trains the same GPT (default 14 layers, width 768, vocab 8192, tied head: 105M
+parameters, fp32, AdamWeightDecay) on random tokens: ``dp`` is ``nn.TrainOneStepCell`` under MindSpore's
+DATA_PARALLEL context (its own gradient all-reduce), built as users build it; ``0``-``3`` are
+``mindzero.prepare_train_network(zero_stage=...)`` on the same network built under
+``mindzero.lazy_init()`` (``--eager`` builds it eagerly instead).
 
-Per configuration and world size it records (rank 0; all ranks are written to the JSON):
+Per configuration and world size (rank 0's numbers; every rank's are in the JSON):
 
-* peak RSS (``VmHWM``) and RSS after ``init()`` (the framework), and the ZeRO formula's prediction
-  (RSS after init + fp32 formula bytes);
-* model-state bytes (``memory_report``; counted from the Parameters for dp) next to the formula;
-* median step time over ``--steps`` steps after ``--warmup`` and its ratio to dp of the same world;
-* collectives and bytes per step per rank (``zero_info.calls``; dp: one all-reduce per gradient);
-* for dp, the time of one all-reduce of Φ floats and one all-gather of Φ/N: the step's compute
-  and communication split.
+* peak RSS above the RSS right after ``init()`` (the framework), the ZeRO fp32 formula beside it
+  (4 bytes/param parameters and gradients, 8 Adam; stage 1-2 master shard 4/N), and the ratio to DP;
+* the memory timeline: RSS at the end of and peak during each phase (init, build, prepare, first step,
+  steady steps);
+* time to first step (compile and one step) and the median steady step, as ratios to DP's;
+* collectives and bytes per step per rank (the plan, ``zero_info.calls``).
 
-Writes ``results.json``, ``results.md`` (the tables) and ``zero_bench.png`` under ``--out``.
-The launcher (``mindzero.local_launch``) runs workers under ``MALLOC_MMAP_THRESHOLD_=1048576`` (freed
-buffers go back to the OS, so peak RSS measures what was live).
+Writes ``results.json``, ``results.md`` (tables and the goals of issue 11) and ``zero_bench.png``,
+``zero_bench_timeline.png`` under ``--out``. Workers run under ``MALLOC_MMAP_THRESHOLD_=1048576`` (set
+by ``mindzero.local_launch``): freed large buffers go back to the OS, so RSS measures what is live.
 """
 import argparse
 import json
@@ -37,92 +37,161 @@ from mindzero.local_launch import msrun  # noqa: E402
 
 MIB = 2 ** 20
 NAMES = {"dp": "plain DP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3"}
+PHASES = ("init", "build", "prepare", "first_step", "steady")
+
+
+def model_args(a) -> list:
+    return ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers), "--heads", str(a.heads),
+            "--seq", str(a.seq), "--batch", str(a.batch)]
 
 
 def run_config(config, world, out, a):
     run_dir = out / f"w{world}_{config}"
-    if (run_dir / "rank_0.json").exists() and a.reuse:
+    if a.reuse and all((run_dir / f"rank_{r}.json").exists() for r in range(world)):
         return [json.loads((run_dir / f"rank_{r}.json").read_text()) for r in range(world)]
-    args = ["--config", config, "--steps", str(a.steps), "--warmup", str(a.warmup), "--dim", str(a.dim),
-            "--layers", str(a.layers), "--heads", str(a.heads), "--vocab", str(a.vocab), "--seq", str(a.seq),
-            "--batch", str(a.batch), "--bucket-mib", str(a.bucket_mib)]
-    if a.no_regather:
-        args.append("--no-regather")
+    args = ["--config", config, "--steps", str(a.steps), "--bucket-mib", str(a.bucket_mib), *model_args(a)]
+    if config != "dp" and not a.eager:
+        args.append("--lazy")
+    if config == "dp":
+        args.append("--time-collectives")
     t = time.time()
     msrun(ROOT / "benchmarks" / "zero_bench_worker.py", world, run_dir, args=args, timeout=a.timeout)
     print(f"  {NAMES[config]} x{world}: {time.time() - t:.0f}s", flush=True)
     return [json.loads((run_dir / f"rank_{r}.json").read_text()) for r in range(world)]
 
 
+def peak_above_init(rank_result) -> float:
+    """MiB: the highest RSS of any phase after init, minus the RSS right after init."""
+    rows = rank_result["phases"]
+    return (max(p["peak_kib"] for p in rows[1:]) - rows[0]["rss_kib"]) / 1024
+
+
+def formula_mib(phi, stage, world) -> float:
+    """The fp32 ZeRO formula for what a rank holds during a step: parameters, gradients, Adam states."""
+    return sum(paper_formula(phi, stage, world, mixed_precision=False).values()) / MIB
+
+
 def summarize(results, world):
     """Rows of one world size: rank 0's numbers, ratios to dp."""
     rows = []
     dp = results["dp"][0]
-    dp_time = statistics.median(dp["times"])
-    dp_states = sum(dp["memory"].values())
-    dp_full = sum(paper_formula(dp["phi"], 0, world, mixed_precision=False).values())
+    dp_peak, dp_first, dp_step = peak_above_init(dp), dp["first_step_s"], statistics.median(dp["times"])
     for config, ranks in results.items():
         r0 = ranks[0]
-        t = statistics.median(r0["times"])
-        states = sum(r0["memory"].values())
         stage = 0 if config == "dp" else int(config)
-        formula = sum(paper_formula(r0["phi"], stage, world, mixed_precision=False).values())
-        if r0["memory"]["gradients"] == 0:  # without accumulation gradients live only inside the step
-            formula -= paper_formula(r0["phi"], stage, world, mixed_precision=False)["gradients"]
+        peak = max(peak_above_init(x) for x in ranks)
+        step = statistics.median(r0["times"])
         comm = r0["comm"]["total"]
         rows.append(dict(
-            config=config, world=world, phi=r0["phi"],
-            step_s=t, step_ratio=t / dp_time, step_s_all_ranks=[statistics.median(x["times"]) for x in ranks],
-            peak_rss_mib=max(x["vmhwm_kib"] for x in ranks) / 1024, rss_init_mib=r0["rss_init_kib"] / 1024,
-            rss_predicted_mib=r0["rss_init_kib"] / 1024 + formula / MIB,
-            states_mib=states / MIB, states_formula_mib=formula / MIB, states_vs_dp=states / dp_states,
-            states_vs_dp_formula=formula / dp_full if config != "dp" else None,
-            memory=r0["memory"], memory_expected=r0.get("memory_expected"),
+            config=config, world=world, phi=r0["phi"], lazy=r0["lazy"],
+            peak_above_init_mib=peak, peak_ratio=peak / dp_peak, rss_init_mib=r0["phases"][0]["rss_kib"] / 1024,
+            formula_mib=formula_mib(r0["phi"], stage, world),
+            states_mib=sum(r0["memory"].values()) / MIB, memory=r0["memory"], memory_expected=r0.get("memory_expected"),
+            first_step_s=r0["first_step_s"], first_step_ratio=r0["first_step_s"] / dp_first,
+            step_s=step, step_ratio=step / dp_step, step_s_all_ranks=[statistics.median(x["times"]) for x in ranks],
+            timeline=[dict(phase=p["phase"], rss_mib=(p["rss_kib"] - r0["phases"][0]["rss_kib"]) / 1024,
+                           peak_mib=(p["peak_kib"] - r0["phases"][0]["rss_kib"]) / 1024, seconds=p["seconds"])
+                      for p in r0["phases"]],
             calls=comm["calls"], comm_mib=comm["bytes"] / MIB, traffic_mib=comm["traffic"] / MIB,
             traffic_real_mib=r0["comm_real"]["total"]["traffic"] / MIB,
-            comm_by_op={op: r0["comm"][op] for op in ("all_reduce", "reduce_scatter", "all_gather")},
             losses=r0["losses"], collective_seconds=r0.get("collective_seconds")))
     return rows
 
 
-def markdown(rows):
-    lines = ["| world | config | step s (median) | ratio to DP | peak RSS MiB | predicted RSS MiB | model states MiB "
-             "(measured) | formula MiB | states vs DP | collectives/step | MiB moved/step (ring traffic; real RS) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+def goals(rows) -> list:
+    """Issue 11's goals, checked against the rows: ``(goal, measured, met)``."""
+    out = []
+    for w in sorted({r["world"] for r in rows}):
+        sel = {r["config"]: r for r in rows if r["world"] == w}
+        dp = sel.get("dp")
+        if "0" in sel:
+            out.append((f"{w} ranks: stage 0 peak within 5% of plain DP's",
+                        f"{sel['0']['peak_ratio']:.3f}x", sel["0"]["peak_ratio"] <= 1.05))
+        for s in ("1", "2"):
+            if s in sel:
+                states = [paper_formula(dp["phi"], stage, w, mixed_precision=False)["optimizer_states"]
+                          for stage in (0, int(s))]
+                saved = (states[0] - states[1]) / MIB  # the optimizer-state bytes the stage saves
+                below = dp["peak_above_init_mib"] - sel[s]["peak_above_init_mib"]
+                out.append((f"{w} ranks: stage {s} below plain DP by at least the {saved:.0f} MiB of optimizer "
+                            "states it saves", f"{below:.0f} MiB below", below >= saved))
+        if "3" in sel and w == 4:
+            out.append(("4 ranks: stage 3 peak at most 0.40x plain DP's", f"{sel['3']['peak_ratio']:.2f}x",
+                        sel["3"]["peak_ratio"] <= 0.40))
+        for c in ("0", "1", "2", "3"):
+            if c in sel:
+                out.append((f"{w} ranks: stage {c} time to first step at most 1.3x plain DP's",
+                            f"{sel[c]['first_step_ratio']:.2f}x", sel[c]["first_step_ratio"] <= 1.3))
+    return out
+
+
+def markdown(rows, command) -> str:
+    lines = [f"`{command}`", "",
+             "| world | config | peak RSS above init MiB | ratio to DP | fp32 formula MiB | model states MiB | "
+             "time to first step s | ratio | steady step s | ratio | collectives/step | MiB traffic/step (real RS) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['world']} | {NAMES[r['config']]} | {r['step_s']:.2f} | {r['step_ratio']:.2f}x | "
-                     f"{r['peak_rss_mib']:.0f} | {r['rss_predicted_mib']:.0f} | {r['states_mib']:.0f} | "
-                     f"{r['states_formula_mib']:.0f} | {r['states_vs_dp']:.0%} | {r['calls']} | "
+        lines.append(f"| {r['world']} | {NAMES[r['config']]} | {r['peak_above_init_mib']:.0f} | {r['peak_ratio']:.2f}x | "
+                     f"{r['formula_mib']:.0f} | {r['states_mib']:.0f} | {r['first_step_s']:.1f} | "
+                     f"{r['first_step_ratio']:.2f}x | {r['step_s']:.2f} | {r['step_ratio']:.2f}x | {r['calls']} | "
                      f"{r['traffic_mib']:.0f} ({r['traffic_real_mib']:.0f}) |")
+    lines += ["", "Memory timeline (MiB above the RSS right after `init()`: at the end of each phase / peak during it):",
+              "", "| world | config | " + " | ".join(PHASES[1:]) + " |", "|---|---|" + "---|" * (len(PHASES) - 1)]
+    for r in rows:
+        cells = [f"{p['rss_mib']:.0f} / {p['peak_mib']:.0f}" for p in r["timeline"][1:]]
+        lines.append(f"| {r['world']} | {NAMES[r['config']]} | " + " | ".join(cells) + " |")
+    lines += ["", "| goal | measured | met |", "|---|---|---|"]
+    lines += [f"| {g} | {m} | {'yes' if ok else '**no**'} |" for g, m, ok in goals(rows)]
     return "\n".join(lines)
 
 
-def chart(rows, path):
+def charts(rows, out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     worlds = sorted({r["world"] for r in rows})
+    configs = [c for c in NAMES if any(r["config"] == c for r in rows)]
+    phi = rows[0]["phi"] / 1e6
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     width = 0.8 / len(worlds)
-    configs = list(NAMES)
     for k, w in enumerate(worlds):
         sel = {r["config"]: r for r in rows if r["world"] == w}
         xs = [i + k * width for i in range(len(configs))]
-        axes[0].bar(xs, [sel[c]["peak_rss_mib"] if c in sel else 0 for c in configs], width, label=f"{w} ranks")
-        axes[1].bar(xs, [sel[c]["states_mib"] if c in sel else 0 for c in configs], width, label=f"{w} ranks")
-        axes[2].bar(xs, [sel[c]["step_ratio"] if c in sel else 0 for c in configs], width, label=f"{w} ranks")
-    titles = ["peak RSS per rank (MiB)", "model-state bytes per rank (MiB)", "step time / plain DP"]
+        axes[0].bar(xs, [sel[c]["peak_above_init_mib"] for c in configs], width, label=f"{w} ranks")
+        axes[0].scatter(xs, [sel[c]["formula_mib"] for c in configs], color="black", marker="_", s=200, zorder=3,
+                        label="fp32 formula" if k == 0 else None)
+        axes[1].bar(xs, [sel[c]["first_step_ratio"] for c in configs], width, label=f"{w} ranks")
+        axes[2].bar(xs, [sel[c]["step_ratio"] for c in configs], width, label=f"{w} ranks")
+    titles = ["peak RSS above init per rank (MiB)", "time to first step / plain DP", "steady step time / plain DP"]
     for ax, title in zip(axes, titles):
         ax.set_xticks([i + width * (len(worlds) - 1) / 2 for i in range(len(configs))])
         ax.set_xticklabels([NAMES[c] for c in configs])
         ax.set_title(title)
         ax.legend()
-    axes[2].axhline(1.0, color="gray", lw=0.8)
-    phi = rows[0]["phi"] / 1e6
+    for ax in axes[1:]:
+        ax.axhline(1.0, color="gray", lw=0.8)
     fig.suptitle(f"mindzero vs plain data parallel: GPT {phi:.0f}M params, fp32 AdamWeightDecay, CPU (2 cores)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(out / "zero_bench.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(worlds), figsize=(7 * len(worlds), 4.5), squeeze=False)
+    for ax, w in zip(axes[0], worlds):
+        for r in (r for r in rows if r["world"] == w):
+            t, xs, ys = 0.0, [], []
+            for p in r["timeline"]:
+                xs += [t, t + p["seconds"]]
+                ys += [p["peak_mib"], p["rss_mib"]]
+                t += p["seconds"]
+            ax.plot(xs, ys, drawstyle="steps-post", label=NAMES[r["config"]])
+        ax.set_title(f"{w} ranks: RSS above init (peak of each phase, then its end)")
+        ax.set_xlabel("seconds since init (build, prepare, first step, steady steps)")
+        ax.set_ylabel("MiB")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "zero_bench_timeline.png", dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None):
@@ -130,16 +199,15 @@ def main(argv=None):
     ap.add_argument("--worlds", default="2,4")
     ap.add_argument("--configs", default="dp,0,1,2,3")
     ap.add_argument("--out", default="runs/zero_bench")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6, help="steady steps after the first")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--layers", type=int, default=14)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--bucket-mib", type=float, default=64.0)
-    ap.add_argument("--no-regather", action="store_true", help="stage 3 keeps gathered parameters (faster, more memory)")
+    ap.add_argument("--bucket-mib", type=float, default=0.0, help="comm_fusion buckets (MiB); 0: off (CPU default)")
+    ap.add_argument("--eager", action="store_true", help="build mindzero's networks eagerly, not under lazy_init")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--reuse", action="store_true", help="reuse finished configurations under --out")
     a = ap.parse_args(argv)
@@ -153,16 +221,16 @@ def main(argv=None):
     for world in (int(w) for w in a.worlds.split(",")):
         results = {c: run_config(c, world, out, a) for c in configs}
         rows += summarize(results, world)
-    table = markdown(rows)
-    print(table)
     command = "python benchmarks/zero_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    table = markdown(rows, command.strip())
+    print(table)
     meta = dict(command=command.strip(), seconds=time.time() - start, cpu_count=os.cpu_count(),
                 model=dict(vocab=a.vocab, dim=a.dim, layers=a.layers, heads=a.heads, seq=a.seq, batch=a.batch),
-                steps=a.steps, warmup=a.warmup, bucket_mib=a.bucket_mib, regather=not a.no_regather)
-    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    (out / "results.md").write_text(f"`{meta['command']}`\n\n{table}\n")
-    chart(rows, out / "zero_bench.png")
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'zero_bench.png'} in {meta['seconds']:.0f}s")
+                steps=a.steps, bucket_mib=a.bucket_mib, lazy=not a.eager)
+    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, goals=goals(rows)), indent=1))
+    (out / "results.md").write_text(table + "\n")
+    charts(rows, out)
+    print(f"wrote {out}/results.json, results.md, zero_bench.png, zero_bench_timeline.png in {meta['seconds']:.0f}s")
     return 0
 
 

@@ -48,6 +48,33 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
+def tree_rss(pids) -> int:
+    """Bytes of RSS of the processes ``pids`` and all their descendants (a job's memory on this host)."""
+    import psutil
+
+    total = 0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+    return total
+
+
+class MemoryLimitExceeded(AssertionError):
+    """The job's processes together held more RSS than ``memory_limit``; every process was killed."""
+
+    def __init__(self, message: str, peak: int):
+        super().__init__(message)
+        self.peak = peak
+
+
 def _record_ranks(pids, ranks: dict) -> None:
     """Remember which process is which rank (from the RANK_ID / OMPI_COMM_WORLD_RANK each one was given)."""
     import psutil
@@ -172,14 +199,17 @@ def _lost_scheduler_race(out_dir, node: int, node_out: str) -> bool:
 
 
 def launch(script, world_size: int, out_dir, args=(), timeout: float = 900.0, nodes: int = 1,
-           launcher: str = "msrun", env=None) -> Path:
+           launcher: str = "msrun", env=None, memory_limit: int = None, stats: dict = None) -> Path:
     """Run ``script`` on ``world_size`` local ranks; return ``out_dir`` once every rank wrote its done-marker.
 
     ``nodes > 1`` (msrun) starts one msrun per "node" on loopback (``--node_rank``), as on a real
     cluster; ``launcher="mpirun"`` starts ``mpirun -n N python -m mindzero.launch SCRIPT``.
-    ``env`` adds environment variables (e.g. ``MS_NODE_TIMEOUT``).
+    ``env`` adds environment variables (e.g. ``MS_NODE_TIMEOUT``). ``memory_limit`` (bytes): kill the
+    job when its processes together hold more RSS (sampled every 0.5 s); ``stats``, a dict, receives
+    ``peak_rss``, the highest total sampled.
 
     Raises:
+        MemoryLimitExceeded: the job exceeded ``memory_limit``.
         AssertionError: a rank failed, the launch timed out (all processes are killed), or a rank
             did not finish; the message names the rank that failed first and carries its log tail.
     """
@@ -195,9 +225,23 @@ def launch(script, world_size: int, out_dir, args=(), timeout: float = 900.0, no
     outs = [open(out_dir / "logs" / f"launcher_{i}.out", "w") for i in range(len(cmds))]
     procs = [subprocess.Popen(cmd, cwd=out_dir, env=env, stdout=o, stderr=subprocess.STDOUT,
                               start_new_session=True, text=True) for cmd, o in zip(cmds, outs)]
-    pid_ranks, timed_out, failed_at = {}, False, None
+    pid_ranks, timed_out, failed_at, peak = {}, False, None, 0
     while any(p.poll() is None for p in procs):
         _record_ranks([p.pid for p in procs], pid_ranks)
+        if memory_limit is not None or stats is not None:
+            peak = max(peak, tree_rss([p.pid for p in procs]))
+            if stats is not None:
+                stats["peak_rss"] = peak
+            if memory_limit is not None and peak > memory_limit:
+                for p in procs:
+                    _kill_tree(p.pid)
+                for p, o in zip(procs, outs):
+                    p.wait()
+                    o.close()
+                raise MemoryLimitExceeded(f"{launcher} {Path(script).name} on {world_size} ranks: the job held "
+                                          f"{peak / 2 ** 30:.2f} GiB of RSS, over the limit of "
+                                          f"{memory_limit / 2 ** 30:.2f} GiB, after {time.time() - start:.0f}s; "
+                                          "every process was killed", peak)
         now = time.time()
         if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
             failed_at = now
