@@ -23,16 +23,10 @@ def main():
 
     import mindspore as ms
     from mindspore import Tensor, nn, ops
-    from mindspore.communication import init
 
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    init()
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
     import mindzero
-    from mindzero.comm import current_world
 
-    world = current_world()
+    world = mindzero.start_data_parallel()
     dim, layers = a.dim, a.layers
 
     class MLP(nn.Cell):

@@ -52,7 +52,7 @@ def run_config(config, world, out, a):
     args = ["--config", config, "--steps", str(a.steps), "--bucket-mib", str(a.bucket_mib), *model_args(a)]
     if config != "dp" and not a.eager:
         args.append("--lazy")
-    if config == "dp":
+    if config == "dp" and a.time_collectives:
         args.append("--time-collectives")
     t = time.time()
     msrun(ROOT / "benchmarks" / "zero_bench_worker.py", world, run_dir, args=args, timeout=a.timeout)
@@ -207,6 +207,8 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--bucket-mib", type=float, default=0.0, help="comm_fusion buckets (MiB); 0: off (CPU default)")
+    ap.add_argument("--time-collectives", action="store_true",
+                    help="plain DP also times one all-reduce of Φ floats and one all-gather (PyNative ops)")
     ap.add_argument("--eager", action="store_true", help="build mindzero's networks eagerly, not under lazy_init")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--reuse", action="store_true", help="reuse finished configurations under --out")

@@ -127,7 +127,6 @@ def dp_comm(net, world):
 
 def main():
     a = parse_args()
-    import mindspore as ms
     from mindspore import Tensor, nn
 
     import mindzero

@@ -27,12 +27,11 @@ import numpy as np
 import yaml
 import mindspore as ms
 from mindspore import Tensor, nn
-from mindspore.communication import init
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mindzero  # noqa: E402
 from mindzero.checkpoint import COMPLETE  # noqa: E402
-from mindzero.comm import AllGather, current_world  # noqa: E402
+from mindzero.comm import AllGather  # noqa: E402
 from mindzero.merge import merge_checkpoint  # noqa: E402
 from gpt import GPT, CharTokenizer, LMLoss, batches, generate, init_params, make_corpus  # noqa: E402
 
@@ -228,10 +227,7 @@ def main():
     cfg = load_config(args.config, args.stage)
     if args.steps:
         cfg["train"]["steps"] = args.steps
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    init()
-    world = current_world()
+    world = mindzero.start_data_parallel()
     log = (lambda msg: print(msg, flush=True)) if world.world_rank == 0 else (lambda msg: None)
     out = Path(args.out)
     text = make_corpus(cfg["data"]["sentences"], cfg["data"]["seed"])

@@ -11,18 +11,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import Block  # noqa: E402  (the example's attention block)
 
 
-def start_data_parallel():
-    """A worker's start: graph mode on CPU, ``init()``, MindSpore's data-parallel context; the world."""
-    from mindspore.communication import init
-    from mindzero.comm import current_world
-
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    init()
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
-    return current_world()
-
-
 class _Teacher:
     """Fixed random matrices that make the targets learnable (the same in every process)."""
 

@@ -15,7 +15,8 @@ from mindspore import Tensor, nn
 
 import mindzero
 from mindzero.comm import AllReduceSum, AllGather, current_world, register_group, resolve_world
-from models import build, start_data_parallel
+from mindzero import start_data_parallel
+from models import build
 from worker_parity import make_optimizer, run
 
 

@@ -15,7 +15,8 @@ from mindspore import Tensor, nn
 
 import mindzero
 from mindzero.comm import AnyRank, ReduceScatterSum, AllGather
-from models import build, start_data_parallel
+from mindzero import start_data_parallel
+from models import build
 
 STEPS = 10
 
