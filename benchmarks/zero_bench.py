@@ -177,18 +177,18 @@ def charts(rows, out: Path) -> None:
     plt.close(fig)
 
     fig, axes = plt.subplots(1, len(worlds), figsize=(7 * len(worlds), 4.5), squeeze=False)
+    labels = ["init", "build", "prepare", "first step\n(compile)", "steady steps"]
     for ax, w in zip(axes[0], worlds):
         for r in (r for r in rows if r["world"] == w):
-            t, xs, ys = 0.0, [], []
-            for p in r["timeline"]:
-                xs += [t, t + p["seconds"]]
-                ys += [p["peak_mib"], p["rss_mib"]]
-                t += p["seconds"]
-            ax.plot(xs, ys, drawstyle="steps-post", label=NAMES[r["config"]])
-        ax.set_title(f"{w} ranks: RSS above init (peak of each phase, then its end)")
-        ax.set_xlabel("seconds since init (build, prepare, first step, steady steps)")
+            line, = ax.plot(range(len(r["timeline"])), [p["peak_mib"] for p in r["timeline"]], "o-",
+                            label=f"{NAMES[r['config']]} (peak)")
+            ax.plot(range(len(r["timeline"])), [p["rss_mib"] for p in r["timeline"]], "x--", color=line.get_color(),
+                    alpha=0.6)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels)
+        ax.set_title(f"{w} ranks: RSS above init per phase (o peak during, x at the end)")
         ax.set_ylabel("MiB")
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "zero_bench_timeline.png", dpi=110)
     plt.close(fig)
