@@ -14,6 +14,8 @@ Per configuration the search starts at the largest size whose fp32 ZeRO formula 
 per rank fits the budget, then walks up while it trains and down while it does not, so the result is
 the largest size that trains with the next larger one seen failing (or the ladder's end).
 
+With ``--reuse``, sizes measured by earlier invocations under ``--out`` are reported too.
+
 Writes ``results.json``, ``results.md`` and ``max_model.png`` under ``--out``.
 """
 import argparse
@@ -102,6 +104,12 @@ def search(config, a, out: Path) -> list:
     return [tried[i] for i in sorted(tried)]
 
 
+def earlier(config, a, out: Path) -> list:
+    """Outcomes of ``config`` saved under ``out`` by earlier runs with the same model settings."""
+    found = [json.loads(f.read_text()) for f in sorted(out.glob(f"{config}_L*/outcome.json"))]
+    return [o for o in found if o["dim"] == a.dim and o["phi"] == gpt_params(o["layers"], a.dim, a.vocab, a.seq)]
+
+
 def largest(outcomes):
     ok = [o for o in outcomes if o["ok"]]
     return max(ok, key=lambda o: o["phi"]) if ok else None
@@ -175,6 +183,9 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     results = {c: search(c, a, out) for c in a.configs.split(",")}
+    if a.reuse:  # also report sizes measured by earlier invocations (an interrupted or extended ladder)
+        results = {c: sorted({o["layers"]: o for o in [*earlier(c, a, out), *outcomes]}.values(),
+                             key=lambda o: o["phi"]) for c, outcomes in results.items()}
     command = "python benchmarks/max_model.py " + " ".join(argv if argv is not None else sys.argv[1:])
     table = markdown(results, a, command.strip())
     print(table)
