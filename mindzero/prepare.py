@@ -90,13 +90,8 @@ def check_same_plan(plan: PartitionPlan, world: World, stage: int) -> None:
     import hashlib
 
     import numpy as np
-    from mindspore import Tensor
 
-    from .comm import AllGather, shared_cell
-
-    gather = shared_cell(AllGather, world, "world")
-    mine = [float(len(plan)), float(stage)] + _digits(plan.fingerprint(), 3)
-    rows = gather(Tensor(np.array(mine, np.float32))).asnumpy().reshape(world.world_size, -1)
+    rows = _rows_of_all_ranks(world, [float(len(plan)), float(stage)] + _digits(plan.fingerprint(), 3))
     bad = [r for r in range(world.world_size) if not np.array_equal(rows[r], rows[0])]
     if not bad:
         return
@@ -109,12 +104,22 @@ def check_same_plan(plan: PartitionPlan, world: World, stage: int) -> None:
                          f"parameters, rank {other} has {int(rows[other][0])}; this rank has {len(plan)}")
     per = [_digits(hashlib.sha256(repr((s.name, s.shape, s.dtype, s.sharded)).encode()).hexdigest(), 1)[0]
            for s in plan]
-    table = AllGather(world, "world")(Tensor(np.array(per, np.float32))).asnumpy().reshape(world.world_size, -1)
+    table = _rows_of_all_ranks(world, per)
     index = int(np.argmax(table[other] != table[0]))
     spec = plan.specs[index]
     raise ValueError(f"rank {world.world_rank}: the networks differ across ranks at parameter #{index}: on this rank "
                      f"{spec.name!r} {spec.shape} {spec.dtype}, and rank {other} differs from rank 0 there; "
                      "every rank must build the same network and optimizer")
+
+
+def _rows_of_all_ranks(world: World, row: list):
+    """``row`` (floats, exact in float32) from every rank: a ``(world_size, len(row))`` numpy array."""
+    import numpy as np
+
+    from .comm import AllGather, shared_cell
+
+    gathered = shared_cell(AllGather, world, "world")(Tensor(np.array(row, np.float32)))
+    return gathered.asnumpy().reshape(world.world_size, -1)
 
 
 def check_same_values(plan: PartitionPlan, digests: dict, world: World) -> None:
@@ -130,15 +135,12 @@ def check_same_values(plan: PartitionPlan, digests: dict, world: World) -> None:
     if world.world_size == 1:
         return
     import numpy as np
-    from mindspore import Tensor
-
-    from .comm import AllGather
 
     row = []
     for s in plan:
         crc = digests.get(s.name, -1)
         row += [-1.0, -1.0] if crc < 0 else [float(crc >> 16), float(crc & 0xFFFF)]  # exact in float32
-    table = AllGather(world, "world")(Tensor(np.array(row, np.float32))).asnumpy().reshape(world.world_size, -1)
+    table = _rows_of_all_ranks(world, row)
     bad = [r for r in range(world.world_size) if not np.array_equal(table[r], table[0])]
     if bad:
         index = int(np.argmax(np.any(table[bad[0]].reshape(-1, 2) != table[0].reshape(-1, 2), axis=1)))
