@@ -71,7 +71,8 @@ def parse_args():
     ap.add_argument("--bucket-mib", type=float, default=0, help="comm_fusion bucket (MiB) for all kinds; 0: off")
     ap.add_argument("--no-regather", action="store_true")
     ap.add_argument("--lazy", action="store_true", help="build the model under mindzero.lazy_init()")
-    ap.add_argument("--time-collectives", action="store_true", help="plain DP: time an all-reduce of Φ floats and an all-gather of Φ/N per rank")
+    ap.add_argument("--time-collectives", action="store_true",
+                    help="plain DP: time an all-reduce of Φ floats and an all-gather of Φ/N per rank")
     return ap.parse_args()
 
 
