@@ -54,8 +54,8 @@ class Block(nn.Cell):
         v = v.reshape(b, t, self.heads, hd).transpose(0, 2, 1, 3)
         att = ops.matmul(q, k.transpose(0, 1, 3, 2)) / (hd ** 0.5)
         mask = ops.triu(ops.ones((t, t), ms.float32), 1) * -1e9
-        att = ops.softmax(att + mask, axis=-1)
-        y = ops.matmul(att, v).transpose(0, 2, 1, 3).reshape(b, t, d)
+        att = ops.softmax(ops.cast(att, ms.float32) + mask, axis=-1)  # in fp32 also when the block runs in fp16
+        y = ops.matmul(ops.cast(att, v.dtype), v).transpose(0, 2, 1, 3).reshape(b, t, d)
         x = x + self.proj(y)
         return x + self.fc2(ops.gelu(self.fc1(self.ln2(x))))
 

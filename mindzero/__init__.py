@@ -9,7 +9,7 @@ need MindSpore are imported on first use.
 """
 from importlib import import_module
 
-from .config import STAGES, StagePolicy, ZeroConfig, stage_policy
+from .config import STAGES, MixedPrecision, StagePolicy, ZeroConfig, stage_policy
 from .estimate import estimate_memory
 from .memory import expected_bytes
 from .layout import HybridLayout, LayoutError
@@ -34,7 +34,7 @@ _LAZY = {
     "lazy_init": "mindzero.materialize",
 }
 
-__all__ = sorted(["STAGES", "StagePolicy", "ZeroConfig", "stage_policy", "expected_bytes", "ParamInfo",
+__all__ = sorted(["STAGES", "MixedPrecision", "StagePolicy", "ZeroConfig", "stage_policy", "expected_bytes", "ParamInfo",
                   "PartitionPlan", "ShardSpec", "HybridLayout", "LayoutError", "estimate_memory", *_LAZY])
 
 

@@ -14,7 +14,7 @@ Atomicity: everything is written into ``<dir>.partial``; after a barrier rank 0 
 ``COMPLETE`` and renames the directory into place. A crash leaves at most a
 ``.partial`` directory, which nothing loads; an existing ``<dir>`` is never touched.
 Master shards (stages 1-2) are slices of the saved full parameters and are rebuilt on
-load; accumulation buffers are empty at an update step, the only time a save is allowed.
+load, except in a ``param_dtype`` run, whose fp32 masters are saved (kind ``master``); accumulation buffers are empty at an update step, the only time a save is allowed.
 """
 from __future__ import annotations
 
@@ -57,6 +57,9 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
     for attr in info.state_attrs:
         for param_name, p in zip(info.opt_param_names, getattr(train_net.optimizer, attr)):
             add(p.name, "optimizer_state", param_name, p)
+    if info.precision.enabled:  # the fp32 masters: not derivable from the param_dtype copies
+        for param_name, p in zip(info.opt_param_names, train_net.optimizer.parameters):
+            add(p.name, "master", param_name, p)
     if train_net.has_ema:
         for param_name, p in zip(info.opt_param_names, train_net.ema.ema_weights):
             add(p.name, "ema", param_name, p)
@@ -172,6 +175,7 @@ def load_checkpoint(train_net, ckpt_dir):
     _check_same_parameters(ckpt_dir, saved, live)
     by_name = saved.by_name()
     readers = {}
+    loaded = set()
     for entry, p in live:
         if entry.name not in by_name:
             if entry.kind == "parameter":
@@ -185,8 +189,15 @@ def load_checkpoint(train_net, ckpt_dir):
             raise CheckpointError(f"{ckpt_dir / src.file}: tensor {src.key!r} has shape {value.shape}, "
                                   f"the network's {entry.name!r} has {tuple(p.shape)}")
         p.set_data(Tensor(value, p.dtype))
-    for master, full in zip(info.master_shards, info.master_fulls):
-        master.set_data(Tensor(shard_array(full.asnumpy(), info.plan[full.name]), master.dtype))
+        loaded.add(entry.name)
+    for pair in info.master_pairs:  # masters the checkpoint does not hold: from the loaded parameters
+        if pair.master.name in loaded:
+            continue
+        value = pair.held.asnumpy()
+        if pair.shard_of_full:
+            value = shard_array(value, info.plan[pair.held.name])
+        pair.master.set_data(Tensor(value.astype(np.float32) if info.precision.enabled else value,
+                                    pair.master.dtype))
     for buf in info.accum_buffers:
         buf.set_data(Tensor(np.zeros(buf.shape, np.float32), buf.dtype))
     return saved

@@ -275,7 +275,7 @@ class ShardGather(ops.AllGather):
     substitute_name = "AllGather"
 
 
-def shard_gather(world: World, numel: int, padding: int):
+def shard_gather(world: World, numel: int, padding: int, reduce_dtype=None):
     """The :class:`ShardGather` for a parameter of ``numel`` elements padded by ``padding`` (forward:
     ``(shard_size,) -> (rows * shard_size,)``), and ``select``: ``None``, or the rows (world ranks) of
     this rank's op group that the caller keeps, in shard order (hybrid on CPU); ``(None, None)`` for a
@@ -285,6 +285,8 @@ def shard_gather(world: World, numel: int, padding: int):
     group (+ ``AllReduce`` of the shard over the dp group, hybrid); CPU, and an op group of one rank: the
     op group's rows of ``dout`` without padding, ``AllReduce`` over the world, this rank's padded slice:
     exactly the tensor plain data parallel all-reduces, so the result is bit-identical to stage 0's.
+    ``reduce_dtype`` (mixed precision, a dtype name): ``dout`` is cast to it first, and the reduced
+    shard is returned in it (the train step hands the optimizer fp32).
     """
     if world.world_size == 1:
         return None, None
@@ -295,6 +297,9 @@ def shard_gather(world: World, numel: int, padding: int):
     # MindSpore caches a primitive's gradient by its name and attributes: make them differ where ours does
     op.add_prim_attr("mindzero_numel", int(numel))
     op.add_prim_attr("mindzero_padding", int(padding))
+    op.zero_reduce_dtype = None if reduce_dtype is None else getattr(ms, reduce_dtype)
+    if reduce_dtype is not None:
+        op.add_prim_attr("mindzero_reduce_dtype", str(reduce_dtype))
     select = None
     if emulated and world.hybrid:
         select = Tensor(list(world.members), ms.int32)
@@ -304,11 +309,13 @@ def shard_gather(world: World, numel: int, padding: int):
 
 @bprop_getters.register(ShardGather)
 def _shard_gather_bprop(self):
-    world, numel, padding = self.zero_world, self.zero_numel, self.zero_padding
+    world, numel, padding, dtype = self.zero_world, self.zero_numel, self.zero_padding, self.zero_reduce_dtype
     if not self.zero_emulated:
         reduce_scatter, dp = _reduce_scatter_ops(world)
 
         def bprop(x, out, dout):
+            if dtype is not None:
+                dout = ops.cast(dout, dtype)
             grad = reduce_scatter(dout)
             if dp is not None:
                 grad = dp(grad)
@@ -320,6 +327,8 @@ def _shard_gather_bprop(self):
 
     def emulated_bprop(x, out, dout):
         grad = dout
+        if dtype is not None:
+            grad = ops.cast(grad, dtype)
         if select is not None:  # this op group's rows (the others are zero: the forward dropped them)
             grad = ops.gather(grad.reshape((rows, -1)), select, 0).reshape((-1,))
         if padding:

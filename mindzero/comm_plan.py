@@ -105,31 +105,36 @@ def all_reduce_calls(specs, shape: CommShape, phase: str) -> list:
 
 
 def step_calls(opt_specs, sharded, policy: StagePolicy, shape: CommShape, fusion: FusionConfig,
-               accum_steps: int = 1, clip_grad: bool = False, regather: bool = True) -> list:
+               accum_steps: int = 1, clip_grad: bool = False, regather: bool = True, reduce_specs=None) -> list:
     """Every collective of one optimizer step, in issue order.
 
     Args:
-        opt_specs: the optimizer's parameters' :class:`~mindzero.plan.ShardSpec`, in optimizer order.
+        opt_specs: the optimizer's parameters' :class:`~mindzero.plan.ShardSpec`, in optimizer order, with
+            the dtype the parameters are held (and gathered) in.
         sharded: per entry, whether its optimizer state is sharded (stage >= 1 and the plan shards it).
         regather: stage 3 all-gathers each parameter again in backward instead of keeping it.
+        reduce_specs: the same specs with the dtype gradients are reduced in (mixed precision's
+            ``reduce_dtype``); ``None``: ``opt_specs``.
     """
+    reduce_specs = opt_specs if reduce_specs is None else reduce_specs
     sh = [s for s, f in zip(opt_specs, sharded) if f]
-    rep = [s for s, f in zip(opt_specs, sharded) if not f]
+    sh_r = [s for s, f in zip(reduce_specs, sharded) if f]
+    rep = [s for s, f in zip(reduce_specs, sharded) if not f]
     micro, boundary, update = [], [], []
     if policy.shard_parameters:
         for s in sh:  # one gather per parameter where it is used; fusion does not apply
             micro += all_gather_calls([s], shape, "forward")
-        for s in reversed(sh):
+        for s, r in zip(reversed(sh), reversed(sh_r)):
             if regather:
                 micro += all_gather_calls([s], shape, "backward")
-            micro += reduce_scatter_calls([s], shape, "backward")
+            micro += reduce_scatter_calls([r], shape, "backward")
     elif policy.shard_gradients:
-        for b in spec_buckets(sh, fusion, "reduce_scatter"):
-            micro += reduce_scatter_calls([sh[i] for i in b], shape, "backward")
+        for b in spec_buckets(sh_r, fusion, "reduce_scatter"):
+            micro += reduce_scatter_calls([sh_r[i] for i in b], shape, "backward")
     elif policy.shard_optimizer_states:
-        for b in spec_buckets(sh, fusion, "reduce_scatter"):
-            boundary += reduce_scatter_calls([sh[i] for i in b], shape, "boundary")
-    full = rep if policy.shard_optimizer_states else list(opt_specs)
+        for b in spec_buckets(sh_r, fusion, "reduce_scatter"):
+            boundary += reduce_scatter_calls([sh_r[i] for i in b], shape, "boundary")
+    full = rep if policy.shard_optimizer_states else list(reduce_specs)
     for b in spec_buckets(full, fusion, "allreduce"):
         boundary += all_reduce_calls([full[i] for i in b], shape, "boundary")
     if shape.world_size > 1:

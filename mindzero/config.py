@@ -48,8 +48,14 @@ class ZeroConfig:
     clip_norm: float = 1.0
     drop_overflow_update: bool = True
     verbose: bool = False
+    precision: "MixedPrecision" = None  # None: MixedPrecision() (no mixed precision)
 
     def __post_init__(self):
+        if self.precision is None:
+            object.__setattr__(self, "precision", MixedPrecision())
+        if not isinstance(self.precision, MixedPrecision):
+            raise ValueError(f"precision must be a MixedPrecision (MixedPrecision.parse(param_dtype, reduce_dtype)), "
+                             f"got {self.precision!r}")
         stage_policy(self.zero_stage)
         steps = self.gradient_accumulation_steps
         if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
@@ -64,6 +70,65 @@ class ZeroConfig:
     @property
     def policy(self) -> StagePolicy:
         return stage_policy(self.zero_stage)
+
+
+PARAM_DTYPES = ("float16", "bfloat16")  # what a mixed-precision run holds its parameters in
+MASTER_DTYPE = "float32"  # the optimizer's master values and states in a mixed-precision run
+
+
+def dtype_name(dtype) -> str:
+    """``"float16"`` from ``ms.float16``, ``"float16"``, ``"Float16"`` or ``numpy.float16`` (no MindSpore import)."""
+    name = getattr(dtype, "__name__", None) if isinstance(dtype, type) else None
+    return str(name or dtype).lower().replace("mindspore.", "")
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """The mixed-precision policy of a train step (FSDP2's ``MixedPrecisionPolicy``, DeepSpeed's fp16/bf16).
+
+    ``param_dtype``: ``None`` (default: parameters trained in their own dtype, no master copy) or
+    ``"float16"``/``"bfloat16"``: the network holds its optimized parameters in that dtype (full at stages
+    0-2, shards at stage 3) and the optimizer updates fp32 master values (full at stage 0, shards from
+    stage 1), cast back after each update. ``reduce_dtype``: the dtype gradients are reduced (and
+    accumulated) in: ``param_dtype`` (the default, half the bytes of fp32) or ``"float32"``.
+    """
+
+    param_dtype: str = None
+    reduce_dtype: str = None
+
+    @staticmethod
+    def parse(param_dtype=None, reduce_dtype=None) -> "MixedPrecision":
+        """Validate the two arguments of ``prepare_train_network``.
+
+        Raises:
+            ValueError: naming the argument, the value and the rule.
+        """
+        if param_dtype is None:
+            if reduce_dtype is not None:
+                raise ValueError(f"reduce_dtype={reduce_dtype!r} needs param_dtype: reduce_dtype is the dtype "
+                                 "gradients of a mixed-precision run are reduced in; pass param_dtype=float16 "
+                                 "or bfloat16 too, or leave reduce_dtype=None")
+            return MixedPrecision()
+        param = dtype_name(param_dtype)
+        if param not in PARAM_DTYPES:
+            raise ValueError(f"param_dtype must be None, float16 or bfloat16 (mindspore dtype or name), "
+                             f"got {param_dtype!r}")
+        reduce = param if reduce_dtype is None else dtype_name(reduce_dtype)
+        if reduce not in (param, MASTER_DTYPE):
+            raise ValueError(f"reduce_dtype must be None (= param_dtype), {param} or float32 with "
+                             f"param_dtype={param}, got {reduce_dtype!r}")
+        return MixedPrecision(param, reduce)
+
+    @property
+    def enabled(self) -> bool:
+        return self.param_dtype is not None
+
+    def held(self, dtype: str, optimized: bool, keep_fp32: bool = False) -> str:
+        """The dtype a parameter of ``dtype`` is held in: ``param_dtype`` for an optimized float32 one, unless
+        ``keep_fp32`` (its Cell computes in fp32, e.g. BatchNorm: it stays fp32, as FSDP keeps BatchNorm)."""
+        if self.enabled and optimized and not keep_fp32 and dtype_name(dtype) == MASTER_DTYPE:
+            return self.param_dtype
+        return dtype_name(dtype)
 
 
 FUSION_KINDS = ("allreduce", "reduce_scatter", "allgather")

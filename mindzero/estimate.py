@@ -5,15 +5,19 @@ parameter shapes, so it counts padding and replicated parameters exactly as ``pr
 will; ``memory_report(train_net)`` is the measured side. Beside it, the ZeRO paper's formulas for
 ``Φ`` parameters on ``N`` ranks (arXiv 1910.02054, K = 12 for mixed-precision Adam):
 
-=====  ==================  =====================================================
-stage  paper (fp16 + fp32   mindzero, parameters trained in fp32, Adam, with
-       master, Adam)        gradient accumulation buffers (what it allocates)
-=====  ==================  =====================================================
-0      2Φ + 2Φ + 12Φ = 16Φ  4Φ + 4Φ + 8Φ = 16Φ
-1      4Φ + 12Φ/N           8Φ + 12Φ/N  (moments 8Φ/N + fp32 master shard 4Φ/N)
-2      2Φ + 14Φ/N           4Φ + 16Φ/N
-3      16Φ/N                16Φ/N
-=====  ==================  =====================================================
+=====  ====================  ======================================================
+stage  paper (fp16 + fp32     mindzero without ``param_dtype`` (parameters trained in
+       master, Adam)          fp32, Adam, gradient accumulation buffers)
+=====  ====================  ======================================================
+0      2Φ + 2Φ + 12Φ = 16Φ    4Φ + 4Φ + 8Φ = 16Φ
+1      4Φ + 12Φ/N             8Φ + 12Φ/N  (moments 8Φ/N + fp32 master shard 4Φ/N)
+2      2Φ + 14Φ/N             4Φ + 16Φ/N
+3      16Φ/N                  16Φ/N
+=====  ====================  ======================================================
+
+With ``param_dtype=float16`` (``mixed_precision=True`` here, ``--mixed-precision`` on the command
+line) mindzero allocates the paper's column exactly (fp16 parameters and gradient buffers, fp32
+masters and moments), plus padding.
 
 Without accumulation the gradients exist only inside the step (not counted as persistent).
 
@@ -26,7 +30,7 @@ import json
 import math
 import sys
 
-from .config import stage_policy
+from .config import MixedPrecision, stage_policy
 from .memory import KINDS, expected_bytes
 from .plan import ParamInfo, PartitionPlan
 
@@ -50,11 +54,22 @@ def paper_formula(phi: int, stage: int, group_size: int, mixed_precision: bool =
             "optimizer_states": moments if stage == 0 else (moments + 4 * phi) / n if stage < 3 else moments / n}
 
 
-def _param_infos(network_or_param_shapes, mixed_precision: bool):
-    dtype = "float16" if mixed_precision else "float32"
+def kept_fp32(network) -> set:
+    """Ids of the Parameters whose owning Cell computes in fp32 (``to_float(ms.float32)``, what
+    ``auto_mixed_precision`` does to BatchNorm and LayerNorm): a mixed-precision run keeps them in fp32."""
+    out = set()
+    for _, cell in network.cells_and_names():
+        if cell.get_flags().get("fp32"):
+            out.update(id(p) for p in cell._params.values() if p is not None)
+    return out
+
+
+def _param_infos(network_or_param_shapes, precision: MixedPrecision):
     if hasattr(network_or_param_shapes, "get_parameters"):  # a MindSpore Cell
-        return [ParamInfo(p.name, tuple(p.shape), str(p.dtype).lower(), bool(p.requires_grad),
-                          bool(getattr(p, "parallel_optimizer", True)))
+        keep = kept_fp32(network_or_param_shapes)
+        return [ParamInfo(p.name, tuple(p.shape), precision.held(str(p.dtype).lower(), bool(p.requires_grad),
+                                                                 id(p) in keep),
+                          bool(p.requires_grad), bool(getattr(p, "parallel_optimizer", True)))
                 for p in network_or_param_shapes.get_parameters()]
     if isinstance(network_or_param_shapes, dict):
         items = list(network_or_param_shapes.items())
@@ -65,20 +80,23 @@ def _param_infos(network_or_param_shapes, mixed_precision: bool):
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if any(not isinstance(d, int) or d < 0 for d in shape):
             raise ValueError(f"network_or_param_shapes: {name!r} has shape {shape!r}; dimensions must be ints >= 0")
-        out.append(ParamInfo(name, shape, dtype))
+        out.append(ParamInfo(name, shape, precision.held("float32", True)))
     return out
 
 
 def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, optimizer: str = "adamw",
-                    mixed_precision: bool = False, gradient_accumulation: bool = True) -> dict:
+                    mixed_precision: bool = False, gradient_accumulation: bool = True, param_dtype=None,
+                    reduce_dtype=None) -> dict:
     """Bytes per rank by kind that ``prepare_train_network`` will allocate, and the paper's formula.
 
     Args:
         network_or_param_shapes: a Cell (its parameters, dtypes and opt-outs), a ``{name: shape}``
-            dict or a list of shapes (dtype float32, or float16 with ``mixed_precision``).
+            dict or a list of shapes (dtype float32).
         zero_stage: 0-3. group_size: ranks the state is sharded over (the op group).
         optimizer: ``adamw``, ``adam``, ``sgd``, ``momentum`` (sets the state tensors per parameter).
         gradient_accumulation: count the persistent gradient buffers (``gradient_accumulation_steps > 1``).
+        mixed_precision: shorthand for ``param_dtype="float16"``; ``param_dtype``, ``reduce_dtype``: the
+            mixed-precision policy of ``prepare_train_network`` (fp32 masters and moments).
 
     Returns:
         ``{"parameters", "gradients", "optimizer_states", "total": int, "phi": int,
@@ -91,12 +109,15 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, o
     key = str(optimizer).lower()
     if key not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZER_STATES)}")
-    infos = _param_infos(network_or_param_shapes, mixed_precision)
+    if mixed_precision and param_dtype is None:
+        param_dtype = "float16"
+    precision = MixedPrecision.parse(param_dtype, reduce_dtype)
+    infos = _param_infos(network_or_param_shapes, precision)
     plan = PartitionPlan.build(infos, group_size, 0)
-    out = expected_bytes(plan, policy, OPTIMIZER_STATES[key], gradient_accumulation)
+    out = expected_bytes(plan, policy, OPTIMIZER_STATES[key], gradient_accumulation, precision=precision)
     out["total"] = sum(out[k] for k in KINDS)
     phi = sum(math.prod(i.shape) for i in infos if i.optimized)
-    formula = paper_formula(phi, zero_stage, group_size, mixed_precision, OPTIMIZER_STATES[key])
+    formula = paper_formula(phi, zero_stage, group_size, precision.enabled, OPTIMIZER_STATES[key])
     formula["total"] = sum(formula.values())
     out.update(phi=phi, formula=formula, stage=zero_stage, group_size=group_size)
     return out
@@ -120,7 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--group-sizes", default="2,4,8", help="comma-separated op group sizes")
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
-    ap.add_argument("--mixed-precision", action="store_true", help="fp16 parameters (paper's mixed-precision formula)")
+    ap.add_argument("--mixed-precision", action="store_true", help="param_dtype=float16: fp16 parameters and gradients, fp32 masters "
+                    "and moments (the paper's mixed-precision setting)")
     ap.add_argument("--no-accumulation", action="store_true", help="no persistent gradient buffers")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     a = ap.parse_args(argv)

@@ -7,53 +7,63 @@ Kinds (integer bytes per rank):
 * ``gradients``: persistent gradient buffers, i.e. accumulation buffers when
   ``gradient_accumulation_steps > 1`` (full at stages 0-1, shards at 2-3); 0
   otherwise, since gradients then live only inside the step;
-* ``optimizer_states``: the optimizer's per-parameter states (moments) plus,
-  at stages 1-2, the fp32 master shards the optimizer updates; step counters
+* ``optimizer_states``: the optimizer's per-parameter states (moments) plus
+  the master values the optimizer updates (``master_shards``: the fp32 master
+  shards of stages 1-2; with ``param_dtype``, fp32 masters at every stage); step counters
   and learning rates are not counted.
 
 The ZeRO paper's mixed-precision formulas (16Φ, 4Φ+12Φ/N, 2Φ+14Φ/N, 16Φ/N)
-assume fp16 parameters and gradients with an fp32 master copy. mindzero trains
-the parameters in their own dtype (fp32 here), so with Adam and K>1 the
-per-rank bytes are: stage 0: 4Φ + 4Φ + 8Φ; stage 1: 4Φ + 4Φ + 12Φ/N (the master
-shard costs 4Φ/N); stage 2: 4Φ + 4Φ/N + 12Φ/N; stage 3: 4Φ/N + 4Φ/N + 8Φ/N.
+are what a run with ``param_dtype=float16`` (or bfloat16) allocates, with
+reduce_dtype = param_dtype, Adam and K>1: parameters 2Φ (stage 3: 2Φ/N),
+gradient buffers 2Φ (stages 2-3: 2Φ/N), fp32 master values 4Φ and moments 8Φ
+(stages 1-3: 12Φ/N). Without ``param_dtype`` mindzero trains the parameters in
+their own dtype (fp32 here) and keeps no master copy except the master shard of
+stages 1-2: stage 0: 4Φ + 4Φ + 8Φ; stage 1: 4Φ + 4Φ + 12Φ/N (the master shard
+costs 4Φ/N); stage 2: 4Φ + 4Φ/N + 12Φ/N; stage 3: 4Φ/N + 4Φ/N + 8Φ/N.
 """
 from __future__ import annotations
 
-from .config import StagePolicy
-from .plan import REASON_NOT_OPTIMIZED, PartitionPlan
+from .config import MixedPrecision, StagePolicy
+from .plan import REASON_NOT_OPTIMIZED, PartitionPlan, dtype_bytes
 
 KINDS = ("parameters", "gradients", "optimizer_states")
 
 
 def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accumulate: bool,
-                   ema: bool = False) -> dict:
+                   ema: bool = False, precision: MixedPrecision = MixedPrecision()) -> dict:
     """Per-rank bytes by kind that ``plan`` predicts (pure arithmetic, no MindSpore).
 
     Args:
-        plan: the partition plan of all network parameters.
+        plan: the partition plan of all network parameters (dtypes as held: ``param_dtype`` for the
+            optimized ones of a mixed-precision run).
         policy: the stage.
         n_states: per-parameter state tensors of the optimizer (Adam 2, Momentum 1, SGD 2).
         accumulate: gradient accumulation buffers exist (``gradient_accumulation_steps > 1``).
         ema: an EMA of the optimized parameters is kept (reported under ``ema``, held like the parameters).
+        precision: the mixed-precision policy: fp32 masters and states, buffers in ``reduce_dtype``.
     """
     out = dict.fromkeys(KINDS, 0)
     out["ema"] = 0
     out["optimizer_moments"] = 0
     out["master_shards"] = 0
+    mixed = precision.enabled
     for s in plan:
-        full, shard = s.numel * s.itemsize, s.shard_size * s.itemsize
-        out["parameters"] += shard if (policy.shard_parameters and s.sharded) else full
-        optimized = s.reason != REASON_NOT_OPTIMIZED
-        if not optimized:
+        numel = s.shard_size if (policy.shard_parameters and s.sharded) else s.numel
+        out["parameters"] += numel * s.itemsize
+        if s.reason == REASON_NOT_OPTIMIZED:
             continue
-        state_one = shard if (policy.shard_optimizer_states and s.sharded) else full
-        out["optimizer_moments"] += n_states * state_one
+        # fp32 values (masters, moments, EMA) of a mixed-precision run: 4 bytes whatever the held dtype
+        wide = dtype_bytes("float32") if mixed else s.itemsize
+        state_numel = s.shard_size if (policy.shard_optimizer_states and s.sharded) else s.numel
+        out["optimizer_moments"] += n_states * state_numel * wide
         if ema:
-            out["ema"] += shard if (policy.shard_parameters and s.sharded) else full
-        if policy.shard_optimizer_states and s.sharded and not policy.shard_parameters:
-            out["master_shards"] += shard
+            out["ema"] += numel * wide
+        if (mixed and s.dtype == precision.param_dtype) or (policy.shard_optimizer_states and s.sharded
+                                                             and not policy.shard_parameters):
+            out["master_shards"] += state_numel * wide
         if accumulate:
-            out["gradients"] += shard if (policy.shard_gradients and s.sharded) else full
+            grad_item = dtype_bytes(precision.reduce_dtype) if mixed else s.itemsize
+            out["gradients"] += (s.shard_size if (policy.shard_gradients and s.sharded) else s.numel) * grad_item
     out["optimizer_states"] = out["optimizer_moments"] + out["master_shards"]
     return out
 
@@ -80,7 +90,7 @@ def memory_report(train_net) -> dict:
         "optimizer_states": moments + masters,
         "ema": sum(tensor_nbytes(p) for p in train_net.ema.ema_weights) if train_net.has_ema else 0,
         "expected": expected_bytes(info.plan, info.config.policy, len(info.state_attrs),
-                                   info.config.gradient_accumulation_steps > 1, train_net.has_ema),
+                                   info.config.gradient_accumulation_steps > 1, train_net.has_ema, info.precision),
         "stage": info.config.zero_stage,
         "group_size": info.world.group_size,  # the op group: what the shards divide by
         "replicas": info.world.replicas,

@@ -109,7 +109,11 @@ def _refuse_existing(out: Path, force: bool) -> None:
         raise MergeError(f"output {str(out)!r} exists; pass force=True (--force) to replace it")
 
 
-def merge_checkpoint(ckpt_dir, out, format="ckpt", with_optimizer=False, force=False, log=print) -> dict:
+PARAMETER_VALUES = ("master", "param")
+
+
+def merge_checkpoint(ckpt_dir, out, format="ckpt", with_optimizer=False, force=False, log=print,
+                     parameter_values="master") -> dict:
     """Write one full checkpoint from a mindzero checkpoint directory.
 
     Args:
@@ -118,6 +122,9 @@ def merge_checkpoint(ckpt_dir, out, format="ckpt", with_optimizer=False, force=F
         with_optimizer: also write the optimizer states and scalars, under their own names.
         force: replace ``out`` if it exists.
         log: progress and summary lines (``None`` for silence).
+        parameter_values: a checkpoint of a ``param_dtype`` run holds each optimized parameter twice:
+            ``"master"`` (default) writes its fp32 master values under the parameter's name, ``"param"``
+            the ``param_dtype`` values the network held. Other checkpoints: the same either way.
 
     Returns:
         ``{"tensors", "bytes", "seconds", "output"}``.
@@ -127,19 +134,24 @@ def merge_checkpoint(ckpt_dir, out, format="ckpt", with_optimizer=False, force=F
     """
     if format not in FORMATS:
         raise MergeError(f"format must be one of {FORMATS}, got {format!r}")
+    if parameter_values not in PARAMETER_VALUES:
+        raise MergeError(f"parameter_values must be one of {PARAMETER_VALUES}, got {parameter_values!r}")
     out = Path(out)
     _refuse_existing(out, force)
     src = Source(ckpt_dir)
-    kinds = ("parameter", "optimizer_state", "ema", "scalar") if with_optimizer else ("parameter",)
+    kinds = ("parameter", "optimizer_state", "master", "ema", "scalar") if with_optimizer else ("parameter",)
     entries = [t for t in src.ref.tensors if t.kind in kinds]
     if not entries:
         raise MergeError(f"{src.dir}: the checkpoint has no tensors of kinds {kinds}")
-    layout = [(t.name, t.dtype, t.shape) for t in entries]
-    progress = _Progress(len(entries), sum(t.numel * np_dtype(t.dtype).itemsize for t in entries), log)
+    masters = {t.param: t for t in src.ref.tensors if t.kind == "master"} if parameter_values == "master" else {}
+    # (output name, the tensor whose values it gets)
+    sources = [(t.name, masters.get(t.name, t) if t.kind == "parameter" else t) for t in entries]
+    layout = [(name, t.dtype, t.shape) for name, t in sources]
+    progress = _Progress(len(sources), sum(t.numel * np_dtype(t.dtype).itemsize for _, t in sources), log)
     with open_writer(out, format, layout) as writer:
-        for t in entries:
+        for name, t in sources:
             value = src.full(t.name)
-            writer.write(t.name, value, t.dtype)
+            writer.write(name, value, t.dtype)
             progress.step(value.nbytes)
     return progress.summary("merged", out)
 
@@ -277,7 +289,8 @@ def convert_checkpoints(src_checkpoint, src_param_split_info_json, group_size, f
 
 
 def main_merge(argv=None):
-    """``mindzero-merge CKPT_DIR -o OUT [--format ckpt|safetensors] [--with-optimizer] [--force]``"""
+    """``mindzero-merge CKPT_DIR -o OUT [--format ckpt|safetensors] [--with-optimizer] [--force]
+    [--parameter-values master|param]``"""
     import argparse
 
     ap = argparse.ArgumentParser(prog="mindzero-merge", description="Merge a mindzero checkpoint into one full "
@@ -287,9 +300,11 @@ def main_merge(argv=None):
     ap.add_argument("--format", choices=FORMATS, default="ckpt")
     ap.add_argument("--with-optimizer", action="store_true", help="include optimizer states and scalars")
     ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    ap.add_argument("--parameter-values", choices=PARAMETER_VALUES, default="master",
+                    help="a param_dtype run's parameters: its fp32 masters (default) or the param_dtype copies")
     a = ap.parse_args(argv)
     try:
-        merge_checkpoint(a.ckpt_dir, a.out, a.format, a.with_optimizer, a.force)
+        merge_checkpoint(a.ckpt_dir, a.out, a.format, a.with_optimizer, a.force, parameter_values=a.parameter_values)
     except MergeError as err:
         print(f"mindzero-merge: error: {err}", file=sys.stderr)
         return 2

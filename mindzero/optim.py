@@ -129,6 +129,21 @@ def shard_optimizer(optimizer, specs: list, shard_params: list) -> tuple:
     return tuple(found)
 
 
+def repoint_optimizer(optimizer, targets: list) -> tuple:
+    """Stage 0 with ``param_dtype``: the optimizer updates ``targets`` (fp32 masters, one per parameter, same
+    shapes) instead of the network's parameters; its states, cloned from the fp32 parameters, stay.
+
+    Returns:
+        the state-tuple attribute names (as :func:`state_tuples`).
+    """
+    old = optimizer._parameters
+    if len(targets) != len(old) or any(tuple(t.shape) != tuple(p.shape) for t, p in zip(targets, old)):
+        raise ValueError(f"targets must match the optimizer's {len(old)} parameters one to one, in shape")
+    found = tuple(state_tuples(optimizer))
+    _replace_tuple(optimizer, [attr for attr, value in vars(optimizer).items() if value is old], old, list(targets))
+    return found
+
+
 def optimizer_state_params(optimizer, attrs) -> list:
     """Every Parameter of the state tuples ``attrs`` (not step counters or learning rates)."""
     return [p for attr in attrs for p in getattr(optimizer, attr)]

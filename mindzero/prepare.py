@@ -6,6 +6,7 @@ step itself is :class:`mindzero.train_step.ZeroTrainOneStepCell`.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import numbers
@@ -14,15 +15,16 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from .comm import World, resolve_world
-from .config import ZeroConfig
-from .optim import check_optimizer, offload_update, shard_optimizer, state_tuples
+from .config import MixedPrecision, ZeroConfig
+from .estimate import kept_fp32
+from .optim import check_optimizer, offload_update, repoint_optimizer, shard_optimizer, state_tuples
 from .materialize import materialize
 from .plan import ParamInfo, PartitionPlan
 from .shard import check_pynative_recompute, make_shard, shard_network_parameters
 from .comm_plan import CommShape, format_comm, spec_buckets, step_calls
 from .config import parse_comm_fusion
-from .train_step import (ALL_REDUCE, OWN_SLICE, REDUCE_SCATTER, REPLICATED, SHARD, GatherInto, Reduction, ZeroEMA,
-                         ZeroTrainOneStepCell)
+from .train_step import (ALL_REDUCE, OWN_SLICE, REDUCE_SCATTER, REPLICATED, SHARD, GatherInto, MasterPair, Reduction,
+                         WriteBack, ZeroEMA, ZeroTrainOneStepCell)
 
 logger = logging.getLogger("mindzero")
 
@@ -149,11 +151,13 @@ def check_same_values(plan: PartitionPlan, digests: dict, world: World) -> None:
                          "seed (call mindspore.set_seed(...) with one value on every rank before building it)")
 
 
-def build_plan(network, optimizer, world: World) -> PartitionPlan:
-    """The partition plan of ``network``'s parameters for this rank, in ``network.get_parameters()`` order."""
+def build_plan(network, optimizer, world: World, precision: MixedPrecision = MixedPrecision()) -> PartitionPlan:
+    """The partition plan of ``network``'s parameters for this rank, in ``network.get_parameters()`` order
+    (dtypes as held: ``param_dtype`` for the optimized parameters of a mixed-precision run)."""
     optimized = {id(p) for p in optimizer.parameters}
-    infos = [ParamInfo(p.name, tuple(p.shape), str(p.dtype).lower(), id(p) in optimized,
-                       bool(getattr(p, "parallel_optimizer", True)))
+    keep = kept_fp32(network) if precision.enabled else set()
+    infos = [ParamInfo(p.name, tuple(p.shape), precision.held(str(p.dtype).lower(), id(p) in optimized, id(p) in keep),
+                       id(p) in optimized, bool(getattr(p, "parallel_optimizer", True)))
              for p in network.get_parameters()]
     return PartitionPlan.build(infos, world.group_size, world.rank)
 
@@ -161,7 +165,8 @@ def build_plan(network, optimizer, world: World) -> PartitionPlan:
 def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates=0, drop_overflow_update=True,
                           gradient_accumulation_steps=1, clip_grad=False, clip_norm=1.0, verbose=False,
                           zero_stage=0, optimizer_offload=False, optimizer_parallel_group=None, dp_group=None,
-                          comm_fusion=None, parallel_modules=None, stage3_regather=True):
+                          comm_fusion=None, parallel_modules=None, stage3_regather=True, param_dtype=None,
+                          reduce_dtype=None):
     """Wrap ``network`` (which returns the loss) and ``optimizer`` into a ZeRO train step.
 
     Must be called on all ranks, with the same network and optimizer structure,
@@ -193,6 +198,16 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
             exponential moving average of the optimized parameters, held like them (shards at stage 3),
             updated after each applied step; ``updates``: its initial step count (decay warm-up).
             Read it with ``gather_full_state_dict(train_net, ema=True)``; checkpoints save it.
+        param_dtype: ``None`` (default: parameters trained in their own dtype), ``ms.float16`` or
+            ``ms.bfloat16`` (or the name): mixed precision: the network holds its optimized parameters in
+            this dtype (full at stages 0-2, shards at stage 3; gathered in it at stages 1-3) and the
+            optimizer updates fp32 master values (full at stage 0, shards from stage 1) that are cast back
+            after each update. The network must compute in this dtype where it reads them
+            (``to_float`` / ``mindspore.amp.auto_mixed_precision(net, "O2")``); Cells marked
+            ``to_float(ms.float32)`` (LayerNorm, BatchNorm) get fp32 copies. Memory: the ZeRO paper's
+            16Φ, 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N. See docs/stages.md.
+        reduce_dtype: with ``param_dtype``: the dtype gradients are reduced and accumulated in: ``None``
+            (= ``param_dtype``, half the bytes of fp32) or ``ms.float32``; the optimizer gets fp32.
         parallel_modules: mindone's argument; not needed (stage 3 works for any Cell): a value raises
             ``NotImplementedError``.
 
@@ -202,7 +217,8 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
     Raises:
         ValueError / TypeError: bad arguments (the message names the argument, value and rule).
     """
-    config = ZeroConfig(zero_stage, gradient_accumulation_steps, clip_grad, clip_norm, drop_overflow_update, verbose)
+    config = ZeroConfig(zero_stage, gradient_accumulation_steps, clip_grad, clip_norm, drop_overflow_update, verbose,
+                        MixedPrecision.parse(param_dtype, reduce_dtype))
     if not isinstance(stage3_regather, bool):
         raise ValueError(f"stage3_regather must be a bool, got {stage3_regather!r}")
     if not isinstance(network, nn.Cell):
@@ -226,32 +242,57 @@ def _build(network, optimizer, config, scale_sense, ema, updates, optimizer_offl
     ema_decay = _ema_decay(ema, updates)
     policy = config.policy
     check_optimizer(optimizer, {p.name: p for p in network.get_parameters()}, policy.shard_optimizer_states)
+    precision = config.precision
+    check_precision(precision, optimizer, world)
     scale_param, manager = _scale_sense(scale_sense)
     if optimizer_offload:
         offload_update(optimizer)
-    plan = build_plan(network, optimizer, world)
+    plan = build_plan(network, optimizer, world, precision)
     check_same_plan(plan, world, config.zero_stage)
     specs = {s.name: s for s in plan}
     opt_params = list(optimizer.parameters)
     opt_specs = [specs[p.name] for p in opt_params]
+    # what the reductions move: the gradients in reduce_dtype (mixed precision), else as held
+    reduce_specs = [dataclasses.replace(s, dtype=precision.reduce_dtype) if precision.enabled else s
+                    for s in opt_specs]
     sharded = [s.sharded and policy.shard_optimizer_states for s in opt_specs]
     digests = {}
-    weights, gathers, full_params, masters, state_attrs = _shard_state(network, optimizer, opt_params, opt_specs,
-                                                                       sharded, specs, policy, world, fusion,
-                                                                       stage3_regather, digests)
+    weights, write_back, state_attrs = _shard_state(network, optimizer, opt_params, opt_specs, sharded, specs, config,
+                                                    world, fusion, stage3_regather, digests)
     check_same_values(plan, digests, world)
-    micro, boundary, norm, buffers = _gradient_path(opt_params, opt_specs, sharded, policy, config, world, fusion)
-    train_net = ZeroTrainOneStepCell(network, optimizer, weights, micro, boundary, norm, gathers, full_params,
-                                     masters, buffers, scale_param, manager, config, world,
-                                     None if ema_decay is None else ZeroEMA(weights, ema_decay, updates))
+    micro, boundary, norm, buffers = _gradient_path(opt_params, reduce_specs, sharded, config, world, fusion)
+    ema = None
+    if ema_decay is not None:
+        ema = ZeroEMA(weights, ema_decay, updates, ms.float32 if precision.enabled else None)
+    train_net = ZeroTrainOneStepCell(network, optimizer, weights, micro, boundary, norm, write_back, buffers,
+                                     scale_param, manager, config, world, ema)
     calls = {emulated: step_calls(opt_specs, sharded, policy, CommShape(world.group_size, world.world_size, emulated),
                                   fusion, config.gradient_accumulation_steps, config.clip_grad,
-                                  stage3_regather and ms.get_context("mode") == ms.GRAPH_MODE)
+                                  stage3_regather and ms.get_context("mode") == ms.GRAPH_MODE, reduce_specs)
              for emulated in (False, True)}
-    train_net.zero_info = ZeroInfo(config, world, plan, tuple(state_attrs), tuple(masters), tuple(full_params),
-                                   tuple(buffers), tuple(p.name for p in opt_params), fusion,
-                                   tuple(calls[world.emulated]), tuple(calls[False]))
+    train_net.zero_info = ZeroInfo(config, world, plan, tuple(state_attrs), write_back, tuple(buffers),
+                                   tuple(p.name for p in opt_params), fusion, tuple(calls[world.emulated]),
+                                   tuple(calls[False]))
     return train_net
+
+
+def check_precision(precision: MixedPrecision, optimizer, world: World) -> None:
+    """Refuse a mixed-precision policy this run cannot honour.
+
+    Raises:
+        ValueError: bfloat16 on CPU (MindSpore 2.10 has no bfloat16 Dense/MatMul kernels there), or an
+            optimized parameter that is not float32 (its fp32 master and states come from it).
+    """
+    if not precision.enabled:
+        return
+    if precision.param_dtype == "bfloat16" and world.device == "CPU":
+        raise ValueError("param_dtype=bfloat16 is not supported on CPU: MindSpore 2.10 has no bfloat16 kernels for "
+                         "Dense/MatMul there; use param_dtype=float16 on CPU (bfloat16 on GPU/Ascend)")
+    for p in optimizer.parameters:
+        if str(p.dtype).lower() != "float32":
+            raise ValueError(f"param_dtype={precision.param_dtype} needs the optimizer's parameters in float32 "
+                             f"(mindzero makes the {precision.param_dtype} copies and keeps the fp32 masters); "
+                             f"parameter {p.name!r} is {str(p.dtype).lower()}: build the network in float32")
 
 
 def plan_text(train_net) -> str:
@@ -278,21 +319,25 @@ def plan_text(train_net) -> str:
     return "\n".join(lines)
 
 
-def _shard_state(network, optimizer, opt_params, opt_specs, sharded, specs, policy, world, fusion, regather, digests):
+def _shard_state(network, optimizer, opt_params, opt_specs, sharded, specs, config, world, fusion, regather,
+                 digests):
     """Stage 3: network parameters become shards; stages 1-2: master shards plus the all-gather that writes
-    them back; stages 1-3: the optimizer is re-pointed at shards. Lazily built Parameters
+    them back; stages 1-3: the optimizer is re-pointed at shards; mixed precision: every optimized parameter
+    gets an fp32 master (its stage 1-2 master shard, else a copy of what the network holds), which the
+    optimizer updates, and the network's copy is cast to ``param_dtype``. Lazily built Parameters
     (:func:`mindzero.lazy_init`) are materialised one tensor at a time: shards where the stage shards,
     full values where it keeps them; ``digests`` receives the CRC32 of every full value computed.
 
     Returns:
-        ``(weights, gather, full_params, master_shards, state_attrs)``: what gradients are taken w.r.t.
-        (optimizer order), the stage 1-2 :class:`GatherInto` (``None`` at other stages) with the full
-        parameters and master shards it connects, and the optimizer's state-tuple attribute names.
+        ``(weights, write_back, state_attrs)``: what gradients are taken w.r.t. (optimizer order), the
+        :class:`WriteBack` of the updated masters into the network's parameters (``None`` when the
+        optimizer updates the network's own), and the optimizer's state-tuple attribute names.
     """
-    weights, targets, gathers, full_params, masters = opt_params, opt_params, None, [], []
+    policy, precision = config.policy, config.precision
+    weights, targets, pairs = opt_params, opt_params, []
     if policy.shard_parameters:
         check_pynative_recompute(network, specs)
-        shards = shard_network_parameters(network, specs, world, regather, digests)
+        shards = shard_network_parameters(network, specs, world, regather, digests, precision.reduce_dtype)
         weights = targets = [shards[p.name] if flag else p for p, flag in zip(opt_params, sharded)]
     elif policy.shard_optimizer_states:
         targets = []
@@ -302,32 +347,48 @@ def _shard_state(network, optimizer, opt_params, opt_specs, sharded, specs, poli
                 continue
             master = make_shard(materialize(p), spec, "zero_master." + p.name, digests=digests)
             targets.append(master)
-            masters.append(master)
-            full_params.append(p)
-        gather_specs = [s for s, flag in zip(opt_specs, sharded) if flag]
-        if gather_specs:
-            gathers = GatherInto([(b, [gather_specs[i] for i in b])
-                                  for b in spec_buckets(gather_specs, fusion, "allgather")], world)
+            pairs.append(MasterPair(master, p, True))
+    gathered = list(pairs)  # stage 1-2 master shards: all-gathered into the network's full parameters
+    if precision.enabled:  # the rest held in param_dtype get an fp32 copy, written back locally
+        targets = list(targets)
+        for i, (p, w) in enumerate(zip(opt_params, weights)):
+            if targets[i] is w and opt_specs[i].dtype == precision.param_dtype:
+                materialize(w, digests if w is p else None)
+                targets[i] = Parameter(Tensor(w.asnumpy(), ms.float32), name="zero_master." + p.name)
+                pairs.append(MasterPair(targets[i], w, False))
     if policy.shard_optimizer_states:
         state_attrs = shard_optimizer(optimizer, opt_specs, targets)
     else:
-        state_attrs = tuple(state_tuples(optimizer))
+        state_attrs = repoint_optimizer(optimizer, targets) if precision.enabled else tuple(state_tuples(optimizer))
     # what stays full (stage 0, replicated parameters, buffers, step counters)
     for p in network.get_parameters():
         materialize(p, digests if p.name in specs else None)
     for p in optimizer.get_parameters():
         materialize(p)
-    return weights, gathers, full_params, masters, state_attrs
+    if precision.enabled:
+        for w, spec in zip(weights, opt_specs):
+            if spec.dtype == precision.param_dtype:
+                w.set_dtype(getattr(ms, spec.dtype))
+    if not pairs:
+        return weights, None, state_attrs
+    gather = None
+    if gathered:
+        gather_specs = [specs[pair.held.name] for pair in gathered]
+        gather = GatherInto([(b, [gather_specs[i] for i in b])
+                             for b in spec_buckets(gather_specs, fusion, "allgather")], world)
+    return weights, WriteBack(gather, pairs), state_attrs
 
 
-def _gradient_path(opt_params, opt_specs, sharded, policy, config, world, fusion):
+def _gradient_path(opt_params, opt_specs, sharded, config, world, fusion):
     """The micro-step and boundary reductions (bucketed per ``comm_fusion``), what each gradient adds to
     the global norm, and (with accumulation) the buffers: full at stages 0-1, shards from stage 2.
+    ``opt_specs``: the gradients as reduced (``reduce_dtype`` in a mixed-precision run).
 
     Returns:
         ``(micro, boundary, norm, accum_buffers)``: two :class:`Reduction` cells, per gradient
         ``(norm kind, padding)`` (see :mod:`mindzero.train_step`), and the buffers.
     """
+    policy = config.policy
     n = len(opt_params)
 
     def units(positions, kind, fusion_kind):
@@ -351,21 +412,25 @@ def _gradient_path(opt_params, opt_specs, sharded, policy, config, world, fusion
     if config.gradient_accumulation_steps > 1:
         for p, spec, flag in zip(opt_params, opt_specs, sharded):
             shape = (spec.shard_size,) if (flag and policy.shard_gradients) else tuple(p.shape)
-            buffers.append(Parameter(ops.zeros(shape, p.dtype), name="zero_accum." + p.name, requires_grad=False))
-    return (Reduction(n, micro, world), Reduction(n, boundary, world, scale=True), norm, buffers)
+            dtype = getattr(ms, spec.dtype) if config.precision.enabled else p.dtype
+            buffers.append(Parameter(ops.zeros(shape, dtype), name="zero_accum." + p.name, requires_grad=False))
+    widen = config.precision.enabled  # the optimizer updates fp32 masters: widen after the reduction
+    return (Reduction(n, micro, world), Reduction(n, boundary, world, scale=True, widen=widen), norm, buffers)
 
 
 class ZeroInfo:
     """What mindzero built for a train step (read by memory reports, checkpoints and tools)."""
 
-    def __init__(self, config, world, plan, state_attrs, master_shards, master_fulls, accum_buffers,
-                 opt_param_names, fusion, calls, real_calls):
+    def __init__(self, config, world, plan, state_attrs, write_back, accum_buffers, opt_param_names, fusion, calls,
+                 real_calls):
         self.config = config
+        self.precision = config.precision
         self.world = world
         self.plan = plan
         self.state_attrs = state_attrs  # the optimizer's per-parameter state tuples
-        self.master_shards = master_shards  # stages 1-2: what the optimizer updates ...
-        self.master_fulls = master_fulls  # ... and the full network parameter of each
+        # MasterPair per master the optimizer updates (stages 1-2 shards; with param_dtype every parameter)
+        self.master_pairs = write_back.pairs if write_back is not None else ()
+        self.master_shards = tuple(pair.master for pair in self.master_pairs)
         self.accum_buffers = accum_buffers
         self.opt_param_names = opt_param_names  # full parameter names in optimizer order
         self.fusion = fusion  # FusionConfig: bucket bytes per collective kind

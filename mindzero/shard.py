@@ -65,10 +65,11 @@ class GatherFull(nn.Cell):
     (CPU: AllReduce of ``numel`` elements + slice).
     """
 
-    def __init__(self, spec: ShardSpec, world: World, compute_dtype=None):
+    def __init__(self, spec: ShardSpec, world: World, compute_dtype=None, reduce_dtype=None):
         super().__init__(auto_prefix=False)
         self.compute_dtype = compute_dtype  # the reading Cell's to_float() dtype, else None
-        self.gather, select = shard_gather(world, spec.numel, spec.padding)
+        self.gather, select = shard_gather(world, spec.numel, spec.padding, reduce_dtype)
+        self.reduce_dtype = None if reduce_dtype is None else getattr(ms, reduce_dtype)
         self.identity = self.gather is None
         self.has_select = select is not None
         if self.has_select:
@@ -105,7 +106,7 @@ class GatherFull(nn.Cell):
         if self.padding:
             full = self.slice(full, (0,), (self.numel,), (1,))
         full = self.reshape(full, self.shape)
-        if self.compute_dtype is not None:
+        if self.compute_dtype is not None and full.dtype != self.compute_dtype:
             full = self.cast(full, self.compute_dtype)
         return full
 
@@ -113,7 +114,8 @@ class GatherFull(nn.Cell):
         return self.rebuild(shard)
 
     def bprop(self, shard, out, dout):  # PyNative (see the class note)
-        return (self.reduce_scatter(ops.cast(dout, shard.dtype).reshape((-1,)), self.padding),)
+        dtype = shard.dtype if self.reduce_dtype is None else self.reduce_dtype
+        return (self.reduce_scatter(ops.cast(dout, dtype).reshape((-1,)), self.padding),)
 
 
 def _full_property(attr: str, graph_mode: bool) -> property:
@@ -138,6 +140,8 @@ def compute_dtype(cell: nn.Cell):
     gathered tensor is not a Parameter, so :class:`GatherFull` casts it itself.
     PyNative casts only the Cell's inputs (the op then promotes), so there is no
     cast to mimic. The mode is the one in force when the network is prepared.
+    ``to_float(ms.float32)`` counts: a mixed-precision run gathers ``param_dtype``
+    values, which such a Cell (LayerNorm, BatchNorm) gets cast to float32.
     """
     if ms.get_context("mode") != ms.GRAPH_MODE:
         return None
@@ -146,6 +150,8 @@ def compute_dtype(cell: nn.Cell):
         return ms.float16
     if flags.get("bf16"):
         return ms.bfloat16
+    if flags.get("fp32"):
+        return ms.float32
     return None
 
 
@@ -188,7 +194,7 @@ def check_pynative_recompute(network: nn.Cell, specs: dict) -> None:
 
 
 def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regather: bool = True,
-                             digests=None) -> dict:
+                             digests=None, reduce_dtype=None) -> dict:
     """Stage 3: replace every sharded Parameter of ``network`` by its shard, in place.
 
     Args:
@@ -200,6 +206,7 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regath
             memory about one layer's parameters instead of the whole model's; docs/performance.md).
             PyNative ignores it (its recompute loses the gather's ``bprop``).
         digests: receives the CRC32 of each full value computed (see :func:`make_shard`).
+        reduce_dtype: mixed precision: the dtype (name) the gathers' backward reduces gradients in.
 
     Returns:
         parameter name -> shard Parameter (one per full Parameter, shared by tied uses).
@@ -217,7 +224,7 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regath
             dtype = compute_dtype(cell)
             key = GatherFull.key(spec, dtype)
             if key not in gathers:
-                gathers[key] = GatherFull(spec, world, dtype)
+                gathers[key] = GatherFull(spec, world, dtype, reduce_dtype)
                 if regather and ms.get_context("mode") == ms.GRAPH_MODE:
                     gathers[key].regather()
             del cell._params[attr]

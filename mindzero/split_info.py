@@ -10,7 +10,9 @@ One file per rank, ``params_split_info_<rank>.json``, in the checkpoint director
                   "key": "dense.weight"}, ...]}
 
 Per tensor: ``name`` (its name in a merged checkpoint), ``kind`` (``parameter``,
-``optimizer_state`` or ``scalar``), ``param`` (the parameter a state belongs to),
+``optimizer_state``, ``master`` (the fp32 master values of a ``param_dtype`` run,
+named ``zero_master.<parameter>``: the parameter entry then has ``param_dtype``,
+its master ``float32``), ``ema`` or ``scalar``), ``param`` (the parameter a state belongs to),
 the full ``shape`` and ``dtype``, whether this checkpoint stores it ``sharded``,
 why the plan replicates its parameter (``replicated_reason``, empty when the
 plan shards it), the ``shard_size``, total ``padding`` and this rank's
@@ -38,7 +40,7 @@ from pathlib import Path
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"  # the marker file written last into a finished checkpoint directory
-KINDS = ("parameter", "optimizer_state", "ema", "scalar")
+KINDS = ("parameter", "optimizer_state", "master", "ema", "scalar")
 FORMATS = ("ckpt", "safetensors")
 
 
@@ -154,12 +156,12 @@ def placement(kind: str, stage: int, plan_sharded: bool, per_rank: bool, rank: i
     """Where one tensor lives in a checkpoint of ``stage``: ``(stored sharded, file)``.
 
     The one rule, used by saving and by resharding: a parameter (and its EMA) is stored in shards at stage 3 and
-    an optimizer state from stage 1 on, when the plan shards its parameter; shards and per-rank
+    an optimizer state (and a master value) from stage 1 on, when the plan shards its parameter; shards and per-rank
     buffers go to the rank's own file; identical replicated tensors are written once, by rank 0,
     into ``network.<fmt>`` (full network parameters, stages 0-2) or ``rank_0.<fmt>``.
     """
     sharded = plan_sharded and ((kind in ("parameter", "ema") and stage == 3)
-                                or (kind == "optimizer_state" and stage >= 1))
+                                or (kind in ("optimizer_state", "master") and stage >= 1))
     if sharded or per_rank:
         return sharded, f"rank_{rank}.{fmt}"
     if kind == "parameter" and stage < 3:

@@ -55,6 +55,8 @@ _depend_on = ops.MultitypeFuncGraph("mindzero_depend_on")
 _gather_unit = ops.MultitypeFuncGraph("mindzero_gather_unit")
 _write_full = ops.MultitypeFuncGraph("mindzero_write_full")
 _ema_update = ops.MultitypeFuncGraph("mindzero_ema_update")
+_cast_to = ops.MultitypeFuncGraph("mindzero_cast_to")
+_write_cast = ops.MultitypeFuncGraph("mindzero_write_cast")
 
 ALL_REDUCE, REDUCE_SCATTER = 1, 2  # Reduction unit kinds
 REPLICATED, SHARD, OWN_SLICE = 0, 1, 2  # what a gradient is at clip time, for the norm
@@ -65,23 +67,36 @@ def _reduce_one_unit(grads, reducer, positions, bucket):
     return reducer(pick(grads, positions), bucket)
 
 
-@_reduce_grad.register("Tensor", "Bool", "Function", "Number", "Tensor")
-def _reduce_one_grad(factor, scale, reducer, padding, g):
-    g = reducer(g, padding)
+def _scaled(g, factor, scale, widen):
+    if widen:  # mixed precision: the optimizer updates fp32 masters; scale in fp32 (no fp16 underflow)
+        g = ops.cast(g, ms.float32)
     if scale:
         return g * ops.cast(factor, g.dtype)
     return g
 
 
-@_route.register("Tuple", "Tuple", "Tensor", "Bool", "Number", "Number", "Number")
-def _route_one(grads, reduced, factor, scale, i, unit, index):
+@_reduce_grad.register("Tensor", "Bool", "Bool", "Function", "Number", "Tensor")
+def _reduce_one_grad(factor, scale, widen, reducer, padding, g):
+    return _scaled(reducer(g, padding), factor, scale, widen)
+
+
+@_route.register("Tuple", "Tuple", "Tensor", "Bool", "Bool", "Number", "Number", "Number")
+def _route_one(grads, reduced, factor, scale, widen, i, unit, index):
     if unit < 0:
         g = grads[i]
     else:
         g = reduced[unit][index]
-    if scale:
-        return g * ops.cast(factor, g.dtype)
-    return g
+    return _scaled(g, factor, scale, widen)
+
+
+@_cast_to.register("TypeType", "Tensor")
+def _cast_one_to(dtype, g):
+    return ops.cast(g, dtype)
+
+
+@_write_cast.register("Tensor", "Tensor", "Tensor")
+def _write_one_cast(after, held, master):
+    return ops.assign(held, ops.cast(ops.depend(master, after), held.dtype))
 
 
 @_scale.register("Tensor", "Tensor")
@@ -122,8 +137,10 @@ def _depend_one_on(after, x):
 
 @_gather_unit.register("Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
 def _gather_one_unit(after, fulls, shards, gather, positions, bucket):
-    values = gather(_map(ops.partial(_depend_on, after), pick(shards, positions)), bucket)
-    return _map(_write_full, pick(fulls, positions), values)
+    held = pick(fulls, positions)
+    shards = _map(ops.partial(_depend_on, after), pick(shards, positions))
+    values = gather(_map(ops.partial(_cast_to, held[0].dtype), shards), bucket)  # a bucket has one dtype
+    return _map(_write_full, held, values)
 
 
 _gather_write = ops.MultitypeFuncGraph("mindzero_gather_write")
@@ -131,7 +148,10 @@ _gather_write = ops.MultitypeFuncGraph("mindzero_gather_write")
 
 @_gather_write.register("Tensor", "Function", "Tensor", "Tensor")
 def _gather_write_one(after, gather, full, shard):
-    return _write_one_full(full, gather(ops.depend(shard, after)))
+    shard = ops.depend(shard, after)
+    if shard.dtype != full.dtype:  # mixed precision: gather in param_dtype, half the bytes of fp32
+        shard = ops.cast(shard, full.dtype)
+    return _write_one_full(full, gather(shard))
 
 
 @_write_full.register("Tensor", "Tensor")
@@ -176,14 +196,15 @@ class Reduction(nn.Cell):
     this rank's padded 1D shard); one collective per unit (one tensor per unit without ``comm_fusion``,
     a bucket with it). Positions in no unit pass through. With ``scale`` every output is multiplied by
     ``factor`` right after its collective (as ``DistributedGradReducer`` does with the mean), so no second
-    full copy of the gradients is made later.
+    full copy of the gradients is made later; with ``widen`` (mixed precision) it is cast to fp32 first.
 
     Communication: one collective per unit, in unit order.
     """
 
-    def __init__(self, n: int, units, world: World, scale: bool = False):
+    def __init__(self, n: int, units, world: World, scale: bool = False, widen: bool = False):
         super().__init__(auto_prefix=False)
         self.scale = scale
+        self.widen = widen
         self.positions = tuple(tuple(pos) for pos, _, _ in units)
         self.per_tensor = all(len(pos) == 1 for pos in self.positions)
         if self.per_tensor:  # one Map over the gradients, each with its reducer (the common case)
@@ -207,9 +228,10 @@ class Reduction(nn.Cell):
 
     def construct(self, grads, factor):
         if self.per_tensor:
-            return _map(ops.partial(_reduce_grad, factor, self.scale), self.reducers, self.paddings, grads)
+            return _map(ops.partial(_reduce_grad, factor, self.scale, self.widen), self.reducers, self.paddings,
+                        grads)
         reduced = _map(ops.partial(_reduce_unit, grads), self.reducers, self.positions, self.buckets)
-        return _map(ops.partial(_route, grads, reduced, factor, self.scale), self.indices, self.unit_of,
+        return _map(ops.partial(_route, grads, reduced, factor, self.scale, self.widen), self.indices, self.unit_of,
                     self.index_of)
 
 
@@ -237,6 +259,43 @@ class GatherInto(nn.Cell):
         return ops.depend(after, done)
 
 
+class MasterPair:
+    """A master the optimizer updates and the network parameter it is written back into after each update:
+    ``shard_of_full``: the master is a stage 1-2 shard of the full ``held`` (all-gathered back), else it has
+    ``held``'s shape (stage 0 and replicated parameters, stage-3 shards: cast and assigned locally)."""
+
+    def __init__(self, master, held, shard_of_full: bool):
+        self.master, self.held, self.shard_of_full = master, held, shard_of_full
+
+
+class WriteBack(nn.Cell):
+    """After the optimizer step: stages 1-2 all-gather the updated master shards into the full parameters
+    (:class:`GatherInto`, in the parameters' dtype); with ``param_dtype`` every other master is cast to
+    ``param_dtype`` and assigned to its network parameter (no communication)."""
+
+    def __init__(self, gather, pairs):
+        super().__init__(auto_prefix=False)
+        self.pairs = tuple(pairs)
+        self.has_gather = gather is not None
+        if self.has_gather:
+            self.gather = gather
+            self.fulls = ParameterTuple([pair.held for pair in pairs if pair.shard_of_full])
+            self.shards = ParameterTuple([pair.master for pair in pairs if pair.shard_of_full])
+        local = [pair for pair in pairs if not pair.shard_of_full]
+        self.has_local = bool(local)
+        if self.has_local:
+            self.helds = ParameterTuple([pair.held for pair in local])
+            self.masters = ParameterTuple([pair.master for pair in local])
+
+    def construct(self, after):
+        """Write after ``after``; returns ``after`` made to depend on every write."""
+        if self.has_gather:
+            after = self.gather(self.fulls, self.shards, after)
+        if self.has_local:
+            after = ops.depend(after, _map(ops.partial(_write_cast, after), self.helds, self.masters))
+        return after
+
+
 class ZeroEMA(nn.Cell):
     """Exponential moving average of the optimizer's parameters, held like them: full at stages 0-2,
     shards at stage 3 (named ``ema.<parameter>``, as mindone's ``EMA``).
@@ -246,9 +305,9 @@ class ZeroEMA(nn.Cell):
     ``updates`` unchanged.
     """
 
-    def __init__(self, weights, decay: float, updates: int):
+    def __init__(self, weights, decay: float, updates: int, dtype=None):
         super().__init__(auto_prefix=False)
-        self.ema_weights = ParameterTuple([Parameter(Tensor(w.asnumpy().copy(), w.dtype), name="ema." + w.name,
+        self.ema_weights = ParameterTuple([Parameter(Tensor(w.asnumpy().copy(), dtype or w.dtype), name="ema." + w.name,
                                                      requires_grad=False) for w in weights])
         self.updates = Parameter(Tensor(float(updates), ms.float32), name="ema_updates", requires_grad=False)
         self.decay = float(decay)
@@ -269,8 +328,8 @@ class ZeroTrainOneStepCell(nn.Cell):
     optimizer re-pointing); this Cell only orders them.
     """
 
-    def __init__(self, network, optimizer, weights, micro, boundary, norm, gather, full_params, master_shards,
-                 accum_buffers, scale_sense, manager, config, world, ema=None):
+    def __init__(self, network, optimizer, weights, micro, boundary, norm, write_back, accum_buffers, scale_sense,
+                 manager, config, world, ema=None):
         super().__init__(auto_prefix=False)
         self.network = network
         self.network.set_grad()
@@ -284,11 +343,11 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.norm_paddings = tuple(padding for _, padding in norm)
         self.has_sharded_norm = any(kind != REPLICATED for kind, _ in norm)
         self.rank, self.group_size = world.rank, world.group_size
-        self.gather_after_step = gather is not None
-        if self.gather_after_step:
-            self.gather = gather
-            self.full_params = ParameterTuple(full_params)
-            self.master_shards = ParameterTuple(master_shards)
+        self.has_write_back = write_back is not None
+        if self.has_write_back:
+            self.write_back = write_back
+        # mixed precision: gradients are reduced (and accumulated) in reduce_dtype
+        self.reduce_dtype = getattr(ms, config.precision.reduce_dtype) if config.precision.enabled else None
         self.accum_steps = config.gradient_accumulation_steps
         self.world_size = world.world_size
         if self.accum_steps > 1:
@@ -323,6 +382,8 @@ class ZeroTrainOneStepCell(nn.Cell):
         loss = self.network(*inputs)
         sens = ops.fill(loss.dtype, loss.shape, ops.cast(scale, loss.dtype))
         grads = self.grad(self.network, self.weights)(*inputs, sens)
+        if self.reduce_dtype is not None:
+            grads = _map(ops.partial(_cast_to, self.reduce_dtype), grads)
         grads = self.micro(grads, scale)  # (no scaling here: the factor is applied once, at the boundary)
         if self.accum_steps == 1:
             overflow = self._apply(grads, scale)
@@ -357,15 +418,16 @@ class ZeroTrainOneStepCell(nn.Cell):
         return overflow
 
     def _update(self, grads, after):
-        """The optimizer step; stages 1-2 then all-gather every updated master shard into its full parameter.
+        """The optimizer step; then the masters are written back (:class:`WriteBack`): stages 1-2 all-gather
+        every updated master shard into its full parameter, mixed precision casts the others.
 
         The gather sits in the same branch as the update: after the branch (where an earlier step, whose
         chained assigns MindSpore 2.10 dropped inside a branch, had it) the runtime held the gathered
         values across the branch boundary: +212 MiB of memory pool on a 105M GPT (stage 1, one process),
         about half the parameter bytes; inside, +5 MiB."""
         after = ops.depend(after, self.optimizer(grads))
-        if self.gather_after_step:
-            after = self.gather(self.full_params, self.master_shards, after)
+        if self.has_write_back:
+            after = self.write_back(after)
         return after
 
     def _clip(self, grads):
