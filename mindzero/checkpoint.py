@@ -216,19 +216,31 @@ def _check_same_parameters(ckpt_dir, saved: SplitInfo, live) -> None:
                               + "; ".join(d for d in detail if d))
 
 
-def gather_full_state_dict(train_net, ema: bool = False) -> dict:
+def gather_full_state_dict(train_net, ema: bool = False, masters: bool = False) -> dict:
     """Every network parameter, full, under its original name: ``{name: numpy.ndarray}``.
 
     With ``ema=True`` the optimized parameters' values are their exponential moving averages
-    (``prepare_train_network(..., ema=...)``), the weights to evaluate or export.
+    (``prepare_train_network(..., ema=...)``), the weights to evaluate or export. With ``masters=True``
+    (a ``param_dtype`` run) they are the fp32 master values the optimizer updates.
 
     Collective: all ranks must call it (stage 3 all-gathers each shard, one tensor at a time: the
     device holds one full tensor beyond the shards, the host the result).
     """
     info = train_net.zero_info
     out = {}
-    sharded_names = {s.name for s in info.plan if s.sharded} if info.config.policy.shard_parameters else set()
+    policy = info.config.policy
+    plan_names = {s.name for s in info.plan}
+    sharded_names = {s.name for s in info.plan if s.sharded} if policy.shard_parameters else set()
     params = list(train_net.network.get_parameters())
+    if masters:
+        if ema:
+            raise ValueError("gather_full_state_dict: pass ema=True or masters=True, not both")
+        by_name = {pair.master.name: pair.master for pair in info.master_pairs} if info.precision.enabled else {}
+        if not by_name:
+            raise ValueError("gather_full_state_dict(masters=True): this train step keeps no fp32 masters; pass "
+                             "param_dtype to prepare_train_network")
+        params = [by_name.get("zero_master." + p.name, p) for p in params]
+        sharded_names = {s.name for s in info.plan if s.sharded} if policy.shard_optimizer_states else set()
     if ema:
         if not train_net.has_ema:
             raise ValueError("gather_full_state_dict(ema=True): this train step has no EMA; pass ema= to "
@@ -237,7 +249,10 @@ def gather_full_state_dict(train_net, ema: bool = False) -> dict:
         params = [averages.get(p.name, p) for p in params]
     gathers = {}  # GatherFull.key -> GatherFull: one compile per distinct shape
     for p in params:
-        name = p.name[len("ema."):] if ema and p.name.startswith("ema.") else p.name
+        name = p.name
+        for prefix in ("ema.", "zero_master."):
+            if name.startswith(prefix) and name[len(prefix):] in plan_names:
+                name = name[len(prefix):]
         if name in sharded_names:
             spec = info.plan[name]
             key = GatherFull.key(spec)

@@ -5,6 +5,7 @@ loss scales, final full parameters), ``<out>/rank_<r>/memory.json`` and finally
 ``<out>/rank_<r>.done``; ``test_parity.py`` compares them.
 """
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -49,6 +50,9 @@ def run(scn, world, groups=None):
     init_params = {"init/" + p.name: p.asnumpy().copy() for p in net.trainable_params()}
     cls = type(net)
     opt = make_optimizer(scn["opt"], net)
+    if scn.get("param_dtype"):  # fp16 compute, BatchNorm/LayerNorm in fp32: what users of mixed precision run
+        from mindspore import amp
+        net = amp.auto_mixed_precision(net, "O2")
     k = scn.get("accum", 1)
     if scn["stage"] == "dp":
         train = nn.TrainOneStepCell(net, opt)
@@ -66,10 +70,12 @@ def run(scn, world, groups=None):
                                                optimizer_offload=scn.get("offload", False),
                                                gradient_accumulation_steps=k, clip_grad=scn.get("clip", False),
                                                clip_norm=scn.get("clip_norm", 1.0),
+                                               param_dtype=scn.get("param_dtype"),
+                                               reduce_dtype=scn.get("reduce_dtype"),
                                                **(dict(zip(("optimizer_parallel_group", "dp_group"), groups))
                                                   if groups else {}))
     losses, overflows, scales = [], [], []
-    for step in range(STEPS):
+    for step in range(scn.get("steps", STEPS)):
         if scn["stage"] == "dp" and k > 1:  # plain DP on the concatenated micro-batches
             micro = [data(cls, step, world.rank, m, n=2) for m in range(k)]
             batch = [Tensor(np.concatenate([b[i].asnumpy() for b in micro])) for i in range(len(micro[0]))]
@@ -77,7 +83,8 @@ def run(scn, world, groups=None):
             continue
         for m in range(k):
             batch = data(cls, step, world.rank, m, n=2 if k > 1 else None)
-            if scn.get("dynamic_scale") and step == 4 and world.rank == world.group_size - 1:
+            if scn.get("dynamic_scale") and scn.get("force_overflow", True) and step == 4 \
+                    and world.rank == world.group_size - 1:
                 x = batch[0].asnumpy().copy()
                 x.flat[0] = np.inf  # forced overflow on the last rank only
                 batch[0] = Tensor(x)
@@ -96,6 +103,9 @@ def run(scn, world, groups=None):
         params = mindzero.gather_full_state_dict(train)
         if scn.get("ema"):
             params.update({name + "@ema": v for name, v in mindzero.gather_full_state_dict(train, ema=True).items()})
+        if scn.get("param_dtype"):
+            params.update({name + "@master": v
+                           for name, v in mindzero.gather_full_state_dict(train, masters=True).items()})
         memory = mindzero.memory_report(train)
     run.last_train = train
     return dict(losses=np.array(losses), overflows=np.array(overflows), scales=np.array(scales),
@@ -118,6 +128,17 @@ def scenarios():
         out.append(dict(name=f"ema-{stage}", model="mixed", opt="adamw_groups", stage=stage, ema=0.99))
     for stage in (1, 3):
         out.append(dict(name=f"offload-{stage}", model="mixed", opt="adamw_groups", stage=stage, offload=True))
+    for model, opt in [("mixed", "adamw_groups"), ("gpt", "sgd"), ("resnet", "momentum")]:
+        for stage in (0, 1, 2, 3):  # fp16 parameters, fp32 masters, dynamic loss scale
+            out.append(dict(name=f"mp-{model}-{stage}", model=model, opt=opt, stage=stage, param_dtype="float16",
+                            dynamic_scale=True, force_overflow=model == "mixed", steps=20 if model == "mixed" else STEPS))
+    out.append(dict(name="fp32-mixed-0", model="mixed", opt="adamw_groups", stage=0, dynamic_scale=True, steps=20))
+    for stage in (0, 3):  # gradients reduced in fp32; and with accumulation (buffers in fp16), clipping, EMA
+        out.append(dict(name=f"mp32-mixed-{stage}", model="mixed", opt="adamw_groups", stage=stage,
+                        param_dtype="float16", reduce_dtype="float32", dynamic_scale=True))
+    for stage in (0, 1, 2, 3):
+        out.append(dict(name=f"mp-accum-{stage}", model="awkward", opt="adam", stage=stage, accum=4,
+                        param_dtype="float16", clip=True, clip_norm=0.05, ema=0.99))
     for stage in (0, 1, 2, 3):  # the clip-<stage> runs with comm_fusion buckets
         out.append(dict(name=f"fused-{stage}", model="mixed", opt="adamw_groups", stage=stage, clip=True,
                         clip_norm=0.05, fusion=True))
@@ -126,7 +147,8 @@ def scenarios():
 
 def count_collectives(world, out_dir):
     """PyNative: count the collectives one optimizer step really calls (K=2 micro-steps) and the bytes they
-    move, per stage, with and without comm_fusion; store them next to the plan's ``step_calls``."""
+    move, per stage, with and without comm_fusion, and with param_dtype=float16; store them next to the
+    plan's ``step_calls``."""
     import mindspore as ms
     from mindspore import ops
 
@@ -144,32 +166,34 @@ def count_collectives(world, out_dir):
     ms.set_context(mode=ms.PYNATIVE_MODE)
     results = {}
     try:
-        for stage in (0, 1, 2, 3):
-            for fused in (False, True):
-                net = build("awkward")
-                fusion = {k: {"bucket_size": 2 ** 20} for k in ("allreduce", "reduce_scatter", "allgather")} \
-                    if fused else None
-                train = mindzero.prepare_train_network(net, make_optimizer("adam", net), zero_stage=stage,
-                                                       gradient_accumulation_steps=2, clip_grad=True,
-                                                       comm_fusion=fusion)
-                counted.clear()
-                for m in range(2):
-                    train(*data(type(net), 0, world.rank, m, n=2))
-                got = {op: {"calls": 0, "bytes": 0} for op in ("all_reduce", "all_gather", "reduce_scatter")}
-                for op, nbytes in counted:
-                    got[op]["calls"] += 1
-                    got[op]["bytes"] += nbytes
-                plan = summarize(train.zero_info.calls)
-                # the plan counts one read per parameter; AwkwardNet reads w2 twice, so stage 3 gathers it
-                # (and reduce-scatters its gradient) once more per micro-step
-                extra = []
-                if stage == 3:
-                    w2 = train.zero_info.plan["w2"]
-                    shape = CommShape(world.group_size, world.world_size, world.emulated)
-                    extra = 2 * (all_gather_calls([w2], shape, "forward") + reduce_scatter_calls([w2], shape, "backward"))
-                extra = summarize(extra)
-                results[f"{stage}-{'fused' if fused else 'plain'}"] = dict(
-                    counted=got, plan={op: {k: plan[op][k] + extra[op][k] for k in ("calls", "bytes")} for op in got})
+        for stage, fused, param_dtype in [(s, f, None) for s in (0, 1, 2, 3) for f in (False, True)] + \
+                [(s, False, "float16") for s in (0, 1, 2, 3)]:
+            net = build("awkward")
+            fusion = {k: {"bucket_size": 2 ** 20} for k in ("allreduce", "reduce_scatter", "allgather")} \
+                if fused else None
+            if param_dtype:
+                net.to_float(ms.float16)
+            train = mindzero.prepare_train_network(net, make_optimizer("adam", net), zero_stage=stage,
+                                                   gradient_accumulation_steps=2, clip_grad=True,
+                                                   comm_fusion=fusion, param_dtype=param_dtype)
+            counted.clear()
+            for m in range(2):
+                train(*data(type(net), 0, world.rank, m, n=2))
+            got = {op: {"calls": 0, "bytes": 0} for op in ("all_reduce", "all_gather", "reduce_scatter")}
+            for op, nbytes in counted:
+                got[op]["calls"] += 1
+                got[op]["bytes"] += nbytes
+            plan = summarize(train.zero_info.calls)
+            # the plan counts one read per parameter; AwkwardNet reads w2 twice, so stage 3 gathers it
+            # (and reduce-scatters its gradient) once more per micro-step
+            extra = []
+            if stage == 3:
+                w2 = dataclasses.replace(train.zero_info.plan["w2"], dtype=param_dtype or "float32")
+                shape = CommShape(world.group_size, world.world_size, world.emulated)
+                extra = 2 * (all_gather_calls([w2], shape, "forward") + reduce_scatter_calls([w2], shape, "backward"))
+            extra = summarize(extra)
+            results[f"{stage}-{'fused' if fused else 'plain'}{'-fp16' if param_dtype else ''}"] = dict(
+                counted=got, plan={op: {k: plan[op][k] + extra[op][k] for k in ("calls", "bytes")} for op in got})
     finally:
         for cls, call in originals.items():
             cls.__call__ = call
