@@ -310,8 +310,11 @@ def plan_text(train_net) -> str:
     report = memory_report(train_net)
     mib = 2 ** 20
     lines = [f"mindzero: zero_stage={config.zero_stage}, {groups}, device {world.device}, "
-             f"gradient_accumulation_steps={config.gradient_accumulation_steps}, comm_fusion: {fusion}",
-             "persistent bytes per rank (measured = plan):"]
+             f"gradient_accumulation_steps={config.gradient_accumulation_steps}, comm_fusion: {fusion}"]
+    if info.precision.enabled:
+        lines.append(f"mixed precision: parameters {info.precision.param_dtype}, gradients reduced in "
+                     f"{info.precision.reduce_dtype}, fp32 masters and optimizer states")
+    lines.append("persistent bytes per rank (measured = plan):")
     for kind in ("parameters", "gradients", "optimizer_states"):
         lines.append(f"  {kind:<17} {report[kind] / mib:10.3f} MiB (plan {report['expected'][kind] / mib:.3f} MiB)")
     lines.append(info.plan.summary())

@@ -32,20 +32,22 @@ def runs(tmp_path_factory):
                 format="safetensors" if s == 2 else "ckpt", full_path=str(ck / f"full-{s}.ckpt")) for s in STAGES]
     two += [dict(name="resnet-3", model="resnet", stage=3, ckpt=str(ck / "resnet-3")),
             dict(name="awk2-s1", model="awkward", stage=1, ckpt=str(ck / "awk2-s1"))]
+    two += [dict(name=f"mp-mixed-{s}", model="mixed", stage=s, ckpt=str(ck / f"mp-mixed-{s}"), param_dtype="float16")
+            for s in (1, 3)]
     four = [dict(name="awk4-s3", model="awkward", stage=3, ckpt=str(ck / "awk4-s3"))]
     launch(2, root / "train2", "train", two)
     launch(4, root / "train4", "train", four)
     mindzero.reshard_checkpoint(ck / "awk4-s3", ck / "awk4-to-2-s2", 2, stage=2, log=None)
     mindzero.reshard_checkpoint(ck / "awk2-s1", ck / "awk2-to-4-s3", 4, stage=3, log=None)
-    resume2 = [dict(s) for s in two[:5]] + [dict(name="awk4-to-2", model="awkward", stage=2,
-                                               ckpt=str(ck / "awk4-to-2-s2"))]
+    resume2 = [dict(s) for s in two[:5] + two[6:]] + [dict(name="awk4-to-2", model="awkward", stage=2,
+                                                          ckpt=str(ck / "awk4-to-2-s2"))]
     launch(2, root / "resume2", "resume", resume2)
     launch(4, root / "resume4", "resume", [dict(name="awk2-to-4", model="awkward", stage=3,
                                                 ckpt=str(ck / "awk2-to-4-s3"))])
     return root
 
 
-@pytest.mark.parametrize("name", [f"mixed-{s}" for s in STAGES] + ["resnet-3"])
+@pytest.mark.parametrize("name", [f"mixed-{s}" for s in STAGES] + ["resnet-3", "mp-mixed-1", "mp-mixed-3"])
 def test_resume_in_fresh_processes(runs, name):
     """Fresh processes restore the saved state bit for bit, and continue exactly as the run that never
     stopped. Exception, measured: the BatchNorm/Conv2d net at 2 ranks differs by 1 ulp in its 3rd resumed
@@ -56,6 +58,9 @@ def test_resume_in_fresh_processes(runs, name):
         straight, resumed = load(runs / "train2", r, name), load(runs / "resume2", r, name)
         for k in (k for k in straight if k.startswith("saved/")):
             np.testing.assert_array_equal(resumed["loaded/" + k[6:]], straight[k], err_msg=f"{name} rank {r} {k}")
+        for k in (k for k in straight if k.startswith("savedmaster/")):  # param_dtype: the fp32 masters too
+            np.testing.assert_array_equal(resumed["loadedmaster/" + k[12:]], straight[k], err_msg=f"{name} {k}")
+            assert straight[k].dtype == np.float32
         if exact:
             assert resumed["last"].tolist() == straight["last"].tolist(), (r, resumed["last"], straight["last"])
         np.testing.assert_allclose(resumed["last"], straight["last"], rtol=1e-6, atol=0)
@@ -131,3 +136,25 @@ def test_reshard_continues_like_the_original_world(runs, src, dst, n_src, n_dst)
         assert err <= 1e-5, f"{k}: {err:.2e}"
     # the continuation really trained: parameters moved after the save
     assert any(np.max(np.abs(ref["param/" + k[6:]] - ref[k])) > 1e-4 for k in ref if k.startswith("saved/"))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_merge_mixed_precision_writes_fp32_masters(runs, stage, tmp_path):
+    """A param_dtype=float16 checkpoint merges to the fp32 master values by default (the split info records
+    both dtypes), or to the fp16 values the network held with parameter_values='param'."""
+    from mindzero.ckpt_io import open_reader
+    from mindzero.split_info import SplitInfo
+
+    saved = load(runs / "train2", 0, f"mp-mixed-{stage}")
+    ckpt = runs / "checkpoints" / f"mp-mixed-{stage}"
+    kinds = {(t.kind, t.dtype) for t in SplitInfo.read(ckpt / "params_split_info_0.json").tensors}
+    assert ("parameter", "float16") in kinds and ("master", "float32") in kinds
+    for values, prefix, dtype in (("master", "savedmaster/", np.float32), ("param", "saved/", np.float16)):
+        out = tmp_path / f"{values}.ckpt"
+        mindzero.merge_checkpoint(ckpt, out, parameter_values=values, log=None)
+        reader = open_reader(out)
+        for k in (k for k in saved if k.startswith("savedmaster/")):
+            name = k[len("savedmaster/"):]
+            value = reader.read(name)
+            assert value.dtype == dtype, (values, name, value.dtype)
+            np.testing.assert_array_equal(value, saved[prefix + name], err_msg=f"{values} {name}")

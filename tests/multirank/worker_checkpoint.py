@@ -29,11 +29,12 @@ def batch(cls, step, rank, world_size):
     return [Tensor(np.concatenate([p[i] for p in parts])) for i in range(len(parts[0]))]
 
 
-def make(model, stage):
+def make(model, stage, param_dtype=None):
     net = build(model)
     opt = nn.AdamWeightDecay(net.trainable_params(), 1e-2, weight_decay=0.05) if model != "resnet" \
         else nn.Momentum(net.trainable_params(), 0.05, 0.9)
-    return net, mindzero.prepare_train_network(net, opt, zero_stage=stage)
+    wrapped = ms.amp.auto_mixed_precision(net, "O2") if param_dtype else net
+    return net, mindzero.prepare_train_network(wrapped, opt, zero_stage=stage, param_dtype=param_dtype)
 
 
 def train_steps(train, cls, steps, world):
@@ -53,17 +54,24 @@ def main():
     out_dir = Path(args.out) / f"rank_{world.rank}"
     out_dir.mkdir(parents=True, exist_ok=True)
     for scn in json.loads(args.scenarios):
-        net, train = make(scn["model"], scn["stage"])
+        net, train = make(scn["model"], scn["stage"], scn.get("param_dtype"))
+        mp = bool(scn.get("param_dtype"))
         cls, result = type(net), {}
         if args.phase == "train":
             first = train_steps(train, cls, range(3), world)
             mindzero.save_checkpoint(train, scn["ckpt"], format=scn.get("format", "ckpt"))
             result.update({"saved/" + k: v for k, v in mindzero.gather_full_state_dict(train).items()})
+            if mp:
+                result.update({"savedmaster/" + k: v
+                               for k, v in mindzero.gather_full_state_dict(train, masters=True).items()})
             if scn.get("full_path"):
                 mindzero.save_full_checkpoint(train, scn["full_path"])
         else:
             mindzero.load_checkpoint(train, scn["ckpt"])
             result.update({"loaded/" + k: v for k, v in mindzero.gather_full_state_dict(train).items()})
+            if mp:
+                result.update({"loadedmaster/" + k: v
+                               for k, v in mindzero.gather_full_state_dict(train, masters=True).items()})
             first = []
         last = train_steps(train, cls, range(3, 6), world)
         result.update({"param/" + k: v for k, v in mindzero.gather_full_state_dict(train).items()})

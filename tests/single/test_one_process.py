@@ -60,7 +60,7 @@ def test_fused_buckets_equal_unfused(model):
     for stage in (0, 1, 2):
         ref_losses, ref_params, _ = train(model, stage)
         losses, params, step = train(model, stage, comm_fusion=FUSE_ALL, gradient_accumulation_steps=1)
-        units = step.boundary.positions + step.micro.positions + (step.gather.positions if stage else ())
+        units = step.boundary.positions + step.micro.positions + (step.write_back.gather.positions if stage else ())
         assert max(len(u) for u in units) > 1, "the 1 MiB buckets hold several tensors"
         assert losses == ref_losses
         for k in params:
@@ -181,6 +181,12 @@ def _net_opt(model="awkward"):
      r"comm_fusion\['allreduce'\]\['openstate'\] must be a bool, got 'yes'"),
     (dict(comm_fusion=[1]), ValueError, "comm_fusion must be None or a dict"),
     (dict(parallel_modules={}), NotImplementedError, "parallel_modules"),
+    (dict(param_dtype="int8"), ValueError, "param_dtype must be None, float16 or bfloat16 .*, got 'int8'"),
+    (dict(param_dtype=ms.float32), ValueError, "param_dtype must be None, float16 or bfloat16"),
+    (dict(reduce_dtype=ms.float32), ValueError, "reduce_dtype=.* needs param_dtype"),
+    (dict(param_dtype=ms.float16, reduce_dtype=ms.int32), ValueError,
+     "reduce_dtype must be None .*, float16 or float32 with param_dtype=float16"),
+    (dict(param_dtype=ms.bfloat16), ValueError, "param_dtype=bfloat16 is not supported on CPU"),
 ])
 def test_bad_arguments(kwargs, exc, message):
     net, opt = _net_opt()
@@ -287,3 +293,24 @@ def test_stage3_frees_full_tensors_even_when_the_network_is_wrapped_later():
     gc.collect()
     assert ref() is None
     assert step.zero_info.plan["inner.0.weight"].sharded
+
+
+def test_mixed_precision_holds_fp16_and_logs_halved_communication(caplog):
+    """param_dtype=float16: the network holds fp16 parameters, the optimizer fp32 masters (named
+    ``zero_master.<name>``), the verbose log says so, and an fp16 optimizer parameter is refused."""
+    net = build("mixed")
+    net.to_float(ms.float16)
+    with caplog.at_level("WARNING", logger="mindzero"):
+        step = mindzero.prepare_train_network(net, nn.AdamWeightDecay(net.trainable_params(), 1e-3), zero_stage=1,
+                                              verbose=True, param_dtype=ms.float16)
+    assert {str(p.dtype) for p in net.trainable_params()} == {"Float16"}
+    assert {str(p.dtype) for p in step.optimizer.parameters} == {"Float32"}
+    assert all(p.name.startswith("zero_master.") for p in step.optimizer.parameters)
+    assert "mixed precision: parameters float16, gradients reduced in float16, fp32 masters" in caplog.text
+    rep = mindzero.memory_report(step)
+    assert rep["parameters"] == sum(p.size for p in net.trainable_params()) * 2
+    net = build("mixed")
+    for p in net.trainable_params():
+        p.set_dtype(ms.float16)
+    with pytest.raises(ValueError, match="needs the optimizer's parameters in float32.*'inp.weight' is float16"):
+        mindzero.prepare_train_network(net, nn.Adam(net.trainable_params()), param_dtype="float16")

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from mindzero.config import STAGES, ZeroConfig, stage_policy
+from mindzero.config import STAGES, MixedPrecision, ZeroConfig, stage_policy
 from mindzero.memory import expected_bytes
 from mindzero.plan import ParamInfo, PartitionPlan
 
@@ -66,3 +66,29 @@ def test_expected_bytes_by_hand(n):
     # an EMA is held like the optimized parameters: full at stages 0-2, shards at stage 3
     assert expected_bytes(_plan(n), STAGES[2], 2, True, ema=True)["ema"] == full_opt
     assert expected_bytes(_plan(n), STAGES[3], 2, True, ema=True)["ema"] == sharded_shard + 20
+
+
+def test_mixed_precision_policy_parse():
+    assert MixedPrecision.parse() == MixedPrecision() and not MixedPrecision().enabled
+    assert MixedPrecision.parse("Float16") == MixedPrecision("float16", "float16")
+    assert MixedPrecision.parse("bfloat16", "float32") == MixedPrecision("bfloat16", "float32")
+    with pytest.raises(ValueError, match="reduce_dtype must be None .*bfloat16 or float32 .*got 'float16'"):
+        MixedPrecision.parse("bfloat16", "float16")
+    with pytest.raises(ValueError, match="precision must be a MixedPrecision"):
+        ZeroConfig(precision="float16")
+    mp = MixedPrecision.parse("float16")
+    assert mp.held("float32", True) == "float16" and mp.held("float32", False) == "float32"
+    assert mp.held("float32", True, keep_fp32=True) == "float32" and mp.held("int32", True) == "int32"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_mixed_precision_bytes_are_the_paper_formula(stage):
+    """fp16 parameters and gradient buffers, fp32 masters and Adam moments: 16Φ, 4Φ+12Φ/N, 2Φ+14Φ/N, 16Φ/N
+    exactly when every shape divides by N."""
+    from mindzero.estimate import paper_formula
+
+    mp = MixedPrecision.parse("float16")
+    plan = PartitionPlan.build([ParamInfo("a", (8, 4), "float16"), ParamInfo("b", (16,), "float16")], 4, 1)
+    got = expected_bytes(plan, STAGES[stage], 2, True, precision=mp)
+    formula = paper_formula(48, stage, 4, mixed_precision=True)
+    assert {k: got[k] for k in formula} == {k: int(v) for k, v in formula.items()}
