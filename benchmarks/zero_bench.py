@@ -54,6 +54,8 @@ def run_config(config, world, out, a):
         args.append("--lazy")
     if config == "dp" and a.time_collectives:
         args.append("--time-collectives")
+    if a.fp16:
+        args.append("--fp16")
     t = time.time()
     msrun(ROOT / "benchmarks" / "zero_bench_worker.py", world, run_dir, args=args, timeout=a.timeout)
     print(f"  {NAMES[config]} x{world}: {time.time() - t:.0f}s", flush=True)
@@ -66,9 +68,10 @@ def peak_above_init(rank_result) -> float:
     return (max(p["peak_kib"] for p in rows[1:]) - rows[0]["rss_kib"]) / 1024
 
 
-def formula_mib(phi, stage, world) -> float:
-    """The fp32 ZeRO formula for what a rank holds during a step: parameters, gradients, Adam states."""
-    return sum(paper_formula(phi, stage, world, mixed_precision=False).values()) / MIB
+def formula_mib(phi, stage, world, mixed=False) -> float:
+    """The ZeRO formula for what a rank holds during a step: parameters, gradients, Adam states (fp32, or
+    the paper's mixed-precision one for a ``--fp16`` ZeRO configuration)."""
+    return sum(paper_formula(phi, stage, world, mixed_precision=mixed).values()) / MIB
 
 
 def summarize(results, world):
@@ -85,7 +88,8 @@ def summarize(results, world):
         rows.append(dict(
             config=config, world=world, phi=r0["phi"], lazy=r0["lazy"],
             peak_above_init_mib=peak, peak_ratio=peak / dp_peak, rss_init_mib=r0["phases"][0]["rss_kib"] / 1024,
-            formula_mib=formula_mib(r0["phi"], stage, world),
+            formula_mib=formula_mib(r0["phi"], stage, world, r0.get("fp16", False) and config != "dp"),
+            fp16=r0.get("fp16", False), overflows=r0.get("overflows", 0),
             states_mib=sum(r0["memory"].values()) / MIB, memory=r0["memory"], memory_expected=r0.get("memory_expected"),
             first_step_s=r0["first_step_s"], first_step_ratio=r0["first_step_s"] / dp_first,
             step_s=step, step_ratio=step / dp_step, step_s_all_ranks=[statistics.median(x["times"]) for x in ranks],
@@ -127,7 +131,7 @@ def goals(rows) -> list:
 
 def markdown(rows, command) -> str:
     lines = [f"`{command}`", "",
-             "| world | config | peak RSS above init MiB | ratio to DP | fp32 formula MiB | model states MiB | "
+             "| world | config | peak RSS above init MiB | ratio to DP | formula MiB | model states MiB | "
              "time to first step s | ratio | steady step s | ratio | collectives/step | MiB traffic/step (real RS) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -160,7 +164,7 @@ def charts(rows, out: Path) -> None:
         xs = [i + k * width for i in range(len(configs))]
         axes[0].bar(xs, [sel[c]["peak_above_init_mib"] for c in configs], width, label=f"{w} ranks")
         axes[0].scatter(xs, [sel[c]["formula_mib"] for c in configs], color="black", marker="_", s=200, zorder=3,
-                        label="fp32 formula" if k == 0 else None)
+                        label="ZeRO formula" if k == 0 else None)
         axes[1].bar(xs, [sel[c]["first_step_ratio"] for c in configs], width, label=f"{w} ranks")
         axes[2].bar(xs, [sel[c]["step_ratio"] for c in configs], width, label=f"{w} ranks")
     titles = ["peak RSS above init per rank (MiB)", "time to first step / plain DP", "steady step time / plain DP"]
@@ -207,6 +211,8 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--bucket-mib", type=float, default=0.0, help="comm_fusion buckets (MiB); 0: off (CPU default)")
+    ap.add_argument("--fp16", action="store_true", help="mixed precision: fp16 compute (AMP O2) everywhere; the ZeRO "
+                    "configurations hold fp16 parameters with fp32 masters (param_dtype=float16)")
     ap.add_argument("--time-collectives", action="store_true",
                     help="plain DP also times one all-reduce of Φ floats and one all-gather (PyNative ops)")
     ap.add_argument("--eager", action="store_true", help="build mindzero's networks eagerly, not under lazy_init")

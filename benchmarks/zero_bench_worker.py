@@ -70,6 +70,8 @@ def parse_args():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--bucket-mib", type=float, default=0, help="comm_fusion bucket (MiB) for all kinds; 0: off")
     ap.add_argument("--no-regather", action="store_true")
+    ap.add_argument("--fp16", action="store_true", help="fp16 compute (AMP O2; LayerNorm in fp32); ZeRO configs also "
+                    "hold fp16 parameters with fp32 masters (param_dtype=float16), plain DP keeps fp32 parameters")
     ap.add_argument("--lazy", action="store_true", help="build the model under mindzero.lazy_init()")
     ap.add_argument("--time-collectives", action="store_true",
                     help="plain DP: time an all-reduce of Φ floats and an all-gather of Φ/N per rank")
@@ -137,6 +139,9 @@ def main():
     phases = Phases()
     phases.end("init")
     net, opt = build(a, a.lazy)
+    if a.fp16:
+        from mindspore import amp
+        net = amp.auto_mixed_precision(net, "O2")
     phases.end("build")
     if a.config == "dp":
         train = nn.TrainOneStepCell(net, opt)
@@ -147,18 +152,20 @@ def main():
             size = int(a.bucket_mib * 2 ** 20)
             fusion = {k: {"openstate": True, "bucket_size": size} for k in ("allreduce", "reduce_scatter", "allgather")}
         train = mindzero.prepare_train_network(net, opt, zero_stage=int(a.config), comm_fusion=fusion,
-                                               stage3_regather=not a.no_regather)
+                                               stage3_regather=not a.no_regather,
+                                               param_dtype="float16" if a.fp16 else None)
     phases.end("prepare")
     phi = sum(int(np.prod(s)) for s in (p.shape for p in opt.parameters)) if a.config == "dp" else \
         sum(s.numel for s in train.zero_info.plan if s.reason != "not updated by the optimizer (buffer or frozen)")
     rng = np.random.RandomState(world.world_rank)
-    times, losses = [], []
+    times, losses, overflows = [], [], 0
     for i in range(1 + a.steps):
         tokens = rng.randint(0, a.vocab, size=(a.batch, a.seq + 1)).astype(np.int32)
         x, y = Tensor(tokens[:, :-1]), Tensor(tokens[:, 1:])
         t = time.perf_counter()
         out = train(x, y)
         loss = float((out if a.config == "dp" else out[0]).asnumpy())
+        overflows += 0 if a.config == "dp" else int(out[1].asnumpy())
         times.append(time.perf_counter() - t)
         losses.append(loss)
         print(f"step {i}: {times[-1]:.2f}s loss {loss:.4f}", flush=True)
@@ -168,7 +175,7 @@ def main():
         phases.end("steady")
     result = dict(config=a.config, world=world.world_size, rank=world.world_rank, phi=phi, lazy=a.lazy,
                   first_step_s=times[0], times=times[1:], losses=losses, phases=phases.rows,
-                  bucket_mib=a.bucket_mib, regather=not a.no_regather,
+                  bucket_mib=a.bucket_mib, regather=not a.no_regather, fp16=a.fp16, overflows=overflows,
                   model=dict(vocab=a.vocab, dim=a.dim, layers=a.layers, heads=a.heads, seq=a.seq, batch=a.batch))
     if a.config == "dp":
         params = sum(p.nbytes for p in net.get_parameters())

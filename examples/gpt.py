@@ -78,7 +78,7 @@ class GPT(nn.Cell):
         t = tokens.shape[1]
         h = self.ln_f(self.blocks(self.embed(tokens) + self.pos[:t]))
         if self.tied:
-            return ops.matmul(h, self.embed.embedding_table.T)
+            return ops.matmul(h, ops.cast(self.embed.embedding_table, h.dtype).T)  # (another Cell's: not auto-cast)
         return self.head(h)
 
 
