@@ -139,9 +139,12 @@ def main():
     phases = Phases()
     phases.end("init")
     net, opt = build(a, a.lazy)
-    if a.fp16:
+    if a.fp16:  # the loss (softmax over the vocabulary) in fp32: in fp16 its sum of exponentials overflows
+        import mindspore as ms
         from mindspore import amp
+        loss_cell = net
         net = amp.auto_mixed_precision(net, "O2")
+        loss_cell.ce.to_float(ms.float32)
     phases.end("build")
     if a.config == "dp":
         train = nn.TrainOneStepCell(net, opt)

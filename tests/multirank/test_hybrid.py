@@ -61,6 +61,18 @@ def test_hybrid_accumulation_equals_plain_data_parallel(out, stage):
             assert rel_err(got[k], dp[k]) <= 1e-5, f"accum stage {stage} {k}: {rel_err(got[k], dp[k]):.2e}"
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hybrid_mixed_precision_equals_flat_stage0(out, stage):
+    """param_dtype=float16 sharded inside op groups of 2 (fp16 gathers and reductions, fp32 master shards)
+    equals flat stage 0 with the same policy, within fp16 rounding (test_parity.RTOL_FP16)."""
+    from test_parity import RTOL_FP16
+
+    for r in range(N):
+        got = load(out, r, f"mp-h{stage}")
+        assert any(k.endswith("@master") for k in got)
+        assert_same_run(got, load(out, r, "mp-flat0"), f"mp hybrid stage {stage} rank {r}", rtol=RTOL_FP16)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_overflow_on_one_rank_is_skipped_by_both_replicas(out, stage):
     """inf in rank 3's input at step 4 (replica 1): all 4 ranks skip, the scale halves, and the run

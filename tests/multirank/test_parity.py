@@ -308,6 +308,13 @@ def test_mixed_precision_stage_equals_stage0(run, model, stage):
             assert got["scales"][5] == got["scales"][4] / 2, got["scales"]
 
 
+def test_mixed_precision_with_optimizer_offload(run):
+    n, out = run
+    for r in range(n):
+        assert_same_run(load(out, r, "mp-offload-3"), load(out, r, "mp-mixed-3"), f"mp offload (forced overflow) {r}",
+                        rtol=RTOL_FP16)
+
+
 def test_mixed_precision_tracks_fp32_training(run):
     """Stage 0 with param_dtype=float16 follows the fp32 run of the same network over 20 steps."""
     n, out = run

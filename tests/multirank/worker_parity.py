@@ -131,12 +131,15 @@ def scenarios():
     for model, opt in [("mixed", "adamw_groups"), ("gpt", "sgd"), ("resnet", "momentum")]:
         for stage in (0, 1, 2, 3):  # fp16 parameters, fp32 masters, dynamic loss scale
             out.append(dict(name=f"mp-{model}-{stage}", model=model, opt=opt, stage=stage, param_dtype="float16",
-                            dynamic_scale=True, force_overflow=model == "mixed", steps=20 if model == "mixed" else STEPS))
+                            dynamic_scale=True, force_overflow=model == "mixed",
+                            steps=20 if model == "mixed" else STEPS))
+    out.append(dict(name="mp-offload-3", model="mixed", opt="adamw_groups", stage=3, param_dtype="float16",
+                    dynamic_scale=True, offload=True, steps=20))
     out.append(dict(name="fp32-mixed-0", model="mixed", opt="adamw_groups", stage=0, dynamic_scale=True, steps=20))
-    for stage in (0, 3):  # gradients reduced in fp32; and with accumulation (buffers in fp16), clipping, EMA
+    for stage in (0, 3):  # gradients reduced in fp32
         out.append(dict(name=f"mp32-mixed-{stage}", model="mixed", opt="adamw_groups", stage=stage,
                         param_dtype="float16", reduce_dtype="float32", dynamic_scale=True))
-    for stage in (0, 1, 2, 3):
+    for stage in (0, 1, 2, 3):  # accumulation (buffers in fp16), clipping, EMA
         out.append(dict(name=f"mp-accum-{stage}", model="awkward", opt="adam", stage=stage, accum=4,
                         param_dtype="float16", clip=True, clip_norm=0.05, ema=0.99))
     for stage in (0, 1, 2, 3):  # the clip-<stage> runs with comm_fusion buckets

@@ -28,9 +28,16 @@ def test_paper_mixed_precision_formulas(stage, expr):
         assert sum(f.values()) == pytest.approx(expr(10 ** 6, n))
 
 
-def test_mixed_precision_estimate_counts_fp16_parameters():
-    e = estimate_memory([PHI], 3, 4, "adamw", mixed_precision=True)
-    assert e["parameters"] == 2 * PHI / 4 and e["gradients"] == 2 * PHI / 4
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_mixed_precision_estimate_is_the_paper_formula(stage):
+    """param_dtype=float16 (``mixed_precision=True``): fp16 parameters and buffers, fp32 masters and moments."""
+    e = estimate_memory([PHI], stage, 4, "adamw", mixed_precision=True)
+    for kind in ("parameters", "gradients", "optimizer_states"):
+        assert e[kind] == e["formula"][kind], (stage, kind)
+    assert e["master_shards"] == 4 * PHI / (1 if stage == 0 else 4)
+    # reduce_dtype=float32: the accumulation buffers double, nothing else changes
+    f = estimate_memory([PHI], stage, 4, "adamw", param_dtype="float16", reduce_dtype="float32")
+    assert f["gradients"] == 2 * e["gradients"] and f["optimizer_states"] == e["optimizer_states"]
 
 
 def test_odd_shapes_pay_only_padding():
