@@ -1,13 +1,15 @@
 """Memory and speed of mindzero stages 0-3 against plain MindSpore data parallel, measured in one run.
 
-    .venv/bin/python benchmarks/zero_bench.py [--worlds 2,4] [--configs dp,0,1,2,3] [--out runs/zero_bench]
+    .venv/bin/python benchmarks/zero_bench.py [--worlds 2,4] [--configs dp,0,1,2,3] [--fp16] [--out runs/zero_bench]
 
 For each world size, one msrun launch per configuration (so each process's memory is that
 configuration's alone) trains the same GPT (default 14 layers, width 768, vocab 8192, tied head: 105M
 parameters, fp32, AdamWeightDecay) on random tokens: ``dp`` is ``nn.TrainOneStepCell`` under MindSpore's
 DATA_PARALLEL context (its own gradient all-reduce), built as users build it; ``0``-``3`` are
 ``mindzero.prepare_train_network(zero_stage=...)`` on the same network built under
-``mindzero.lazy_init()`` (``--eager`` builds it eagerly instead).
+``mindzero.lazy_init()`` (``--eager`` builds it eagerly instead). ``--fp16``: every configuration computes
+in fp16 (AMP O2, the loss in fp32); ``0``-``3`` also hold fp16 parameters with fp32 masters
+(``param_dtype=float16``) and are compared with the paper's mixed-precision formula.
 
 Per configuration and world size (rank 0's numbers; every rank's are in the JSON):
 

@@ -61,7 +61,7 @@ def test_hybrid_accumulation_equals_plain_data_parallel(out, stage):
             assert rel_err(got[k], dp[k]) <= 1e-5, f"accum stage {stage} {k}: {rel_err(got[k], dp[k]):.2e}"
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [3])
 def test_hybrid_mixed_precision_equals_flat_stage0(out, stage):
     """param_dtype=float16 sharded inside op groups of 2 (fp16 gathers and reductions, fp32 master shards)
     equals flat stage 0 with the same policy, within fp16 rounding (test_parity.RTOL_FP16)."""

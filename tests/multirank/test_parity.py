@@ -64,7 +64,7 @@ def test_collectives_per_step_match_the_plan(run):
     n, out = run
     for r in range(n):
         counts = json.loads((out / f"rank_{r}" / "collective_counts.json").read_text())
-        assert len(counts) == 12
+        assert len(counts) == (12 if n == 2 else 8)  # param_dtype=float16 at 2 ranks
         for key, c in counts.items():
             assert c["counted"] == c["plan"], (r, key, c)
             assert c["counted"]["all_reduce"]["calls"] > 0, (r, key)
@@ -283,17 +283,20 @@ def test_measured_memory_agrees_with_estimate(run, name, accum):
 # 11-bit significand: one unit in the last place is 2^-10 = 9.8e-4 relative. Stages add fp16 values in a
 # different order where the data flow differs (a tied weight's two gradients summed before or after the
 # reduction; accumulation before or after it), so parity is held to fp16 rounding, not to fp32's 1e-5.
-RTOL_FP16 = 1e-3  # measured (2 ranks): exact, except the tied embedding at stage 3: 5.2e-4
-RTOL_FP16_ACCUM = 1e-2  # measured (2 ranks, K=4, fp16 buffers): 3.1e-3 at stages 2-3 (reduce, then accumulate)
-RTOL_FP16_VS_FP32 = 2e-2  # the losses of fp16 vs fp32 training, 20 steps; measured 4.9e-3
+RTOL_FP16 = 1e-3  # measured (2 / 4 ranks): exact, except the tied embedding at stage 3: 5.2e-4 / 3.8e-4
+RTOL_FP16_ACCUM = 1e-2  # measured (K=4, fp16 buffers): 3.1e-3 / 5.6e-3 at stages 2-3 (reduce, then accumulate)
+RTOL_FP16_VS_FP32 = 2e-2  # the losses of fp16 vs fp32 training, 20 steps; measured 8.2e-3 / 4.4e-3
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("model", ["mixed", "gpt", "resnet"])
 def test_mixed_precision_stage_equals_stage0(run, model, stage):
     """fp16 parameters and fp32 masters: stages 1-3 equal stage 0 of the same policy (losses, fp16 parameters
-    and fp32 masters, ``@master``), including a forced fp16 overflow skipped by all ranks (mixed, resnet)."""
+    and fp32 masters, ``@master``), including a forced fp16 overflow skipped by all ranks (mixed). At 4 ranks
+    stage 3 (stages 1-2 at 4 ranks: test_mixed_precision_with_accumulation_clip_and_ema)."""
     n, out = run
+    if n == 4 and stage != 3:
+        pytest.skip("4 ranks: stage 3 only here; stages 1-2 with param_dtype at 4 ranks: mp-accum (suite time)")
     for r in range(n):
         got, ref = load(out, r, f"mp-{model}-{stage}"), load(out, r, f"mp-{model}-0")
         assert_same_run(got, ref, f"mp-{model} (forced overflow) stage {stage} rank {r}", rtol=RTOL_FP16)
@@ -304,22 +307,26 @@ def test_mixed_precision_stage_equals_stage0(run, model, stage):
         # optimized parameters are held in fp16 except those of fp32 Cells (BatchNorm, LayerNorm)
         assert any(ref[k].dtype == np.float16 for k in held)
         if model == "mixed":  # step 4 has inf in the last rank's input
-            assert got["overflows"].tolist() == [i == 4 for i in range(20)], got["overflows"]
+            assert got["overflows"].tolist() == [i == 4 for i in range(10)], got["overflows"]
             assert got["scales"][5] == got["scales"][4] / 2, got["scales"]
 
 
 def test_mixed_precision_with_optimizer_offload(run):
     n, out = run
+    if n == 4:
+        pytest.skip("run at 2 ranks only (suite time)")
     for r in range(n):
         assert_same_run(load(out, r, "mp-offload-3"), load(out, r, "mp-mixed-3"), f"mp offload (forced overflow) {r}",
                         rtol=RTOL_FP16)
 
 
 def test_mixed_precision_tracks_fp32_training(run):
-    """Stage 0 with param_dtype=float16 follows the fp32 run of the same network over 20 steps."""
+    """Stage 0 with param_dtype=float16 follows the fp32 run of the same network over 20 steps (2 ranks)."""
     n, out = run
+    if n == 4:
+        pytest.skip("run at 2 ranks only (suite time)")
     for r in range(n):
-        mp, fp32 = load(out, r, "mp-mixed-0"), load(out, r, "fp32-mixed-0")
+        mp, fp32 = load(out, r, "mp-long-0"), load(out, r, "fp32-long-0")
         assert len(mp["losses"]) == 20
         finite = np.isfinite(fp32["losses"])
         err = np.abs(mp["losses"][finite] - fp32["losses"][finite]) / np.abs(fp32["losses"][finite])
@@ -329,8 +336,10 @@ def test_mixed_precision_tracks_fp32_training(run):
 
 def test_mixed_precision_reduce_in_fp32(run):
     """reduce_dtype=float32: stage 3 (reduce-scatter of fp32 gradients from the fp16 gather's backward) equals
-    stage 0 (fp32 all-reduce)."""
+    stage 0 (fp32 all-reduce); 2 ranks."""
     n, out = run
+    if n == 4:
+        pytest.skip("run at 2 ranks only (suite time)")
     for r in range(n):
         assert_same_run(load(out, r, "mp32-mixed-3"), load(out, r, "mp32-mixed-0"), f"mp32 (forced overflow) rank {r}",
                         rtol=RTOL_FP16)
@@ -371,6 +380,8 @@ def test_mixed_precision_halves_collective_bytes(run):
     """Counted at the primitive (PyNative, K=2, clip): with param_dtype=float16 every gradient reduction and
     every parameter all-gather moves half the bytes of fp32; the 4-byte overflow flag and clip norm stay."""
     n, out = run
+    if n == 4:
+        pytest.skip("counted at 2 ranks only (suite time)")
     counts = json.loads((out / "rank_0" / "collective_counts.json").read_text())
     for stage in (0, 1, 2, 3):
         fp32, fp16 = counts[f"{stage}-plain"]["counted"], counts[f"{stage}-plain-fp16"]["counted"]
