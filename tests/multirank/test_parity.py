@@ -311,13 +311,16 @@ def test_mixed_precision_stage_equals_stage0(run, model, stage):
             assert got["scales"][5] == got["scales"][4] / 2, got["scales"]
 
 
-def test_mixed_precision_with_optimizer_offload(run):
+@pytest.mark.parametrize("name,ref", [("mp-offload-3", "mp-mixed-3"), ("mp32-mixed-3", "mp32-mixed-0")],
+                         ids=["optimizer_offload", "reduce_dtype_float32"])
+def test_mixed_precision_variants(run, name, ref):
+    """2 ranks: ``optimizer_offload=True`` equals the update on the device; ``reduce_dtype=float32`` at stage 3
+    (reduce-scatter of fp32 gradients from the fp16 gather's backward) equals stage 0 (fp32 all-reduce)."""
     n, out = run
     if n == 4:
         pytest.skip("run at 2 ranks only (suite time)")
     for r in range(n):
-        assert_same_run(load(out, r, "mp-offload-3"), load(out, r, "mp-mixed-3"), f"mp offload (forced overflow) {r}",
-                        rtol=RTOL_FP16)
+        assert_same_run(load(out, r, name), load(out, r, ref), f"{name} (forced overflow) rank {r}", rtol=RTOL_FP16)
 
 
 def test_mixed_precision_tracks_fp32_training(run):
@@ -332,17 +335,6 @@ def test_mixed_precision_tracks_fp32_training(run):
         err = np.abs(mp["losses"][finite] - fp32["losses"][finite]) / np.abs(fp32["losses"][finite])
         assert err.max() <= RTOL_FP16_VS_FP32, err
         assert err.max() > 0, "the fp16 run must differ from the fp32 one (else it did not run in fp16)"
-
-
-def test_mixed_precision_reduce_in_fp32(run):
-    """reduce_dtype=float32: stage 3 (reduce-scatter of fp32 gradients from the fp16 gather's backward) equals
-    stage 0 (fp32 all-reduce); 2 ranks."""
-    n, out = run
-    if n == 4:
-        pytest.skip("run at 2 ranks only (suite time)")
-    for r in range(n):
-        assert_same_run(load(out, r, "mp32-mixed-3"), load(out, r, "mp32-mixed-0"), f"mp32 (forced overflow) rank {r}",
-                        rtol=RTOL_FP16)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
