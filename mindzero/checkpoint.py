@@ -14,7 +14,8 @@ Atomicity: everything is written into ``<dir>.partial``; after a barrier rank 0 
 ``COMPLETE`` and renames the directory into place. A crash leaves at most a
 ``.partial`` directory, which nothing loads; an existing ``<dir>`` is never touched.
 Master shards (stages 1-2) are slices of the saved full parameters and are rebuilt on
-load, except in a ``param_dtype`` run, whose fp32 masters are saved (kind ``master``); accumulation buffers are empty at an update step, the only time a save is allowed.
+load, except in a ``param_dtype`` run, whose fp32 masters are saved (kind ``master``); accumulation
+buffers are empty at an update step, the only time a save is allowed.
 """
 from __future__ import annotations
 
@@ -250,9 +251,9 @@ def gather_full_state_dict(train_net, ema: bool = False, masters: bool = False) 
     gathers = {}  # GatherFull.key -> GatherFull: one compile per distinct shape
     for p in params:
         name = p.name
-        for prefix in ("ema.", "zero_master."):
-            if name.startswith(prefix) and name[len(prefix):] in plan_names:
-                name = name[len(prefix):]
+        prefix = "ema." if ema else "zero_master." if masters else None
+        if prefix and name.startswith(prefix) and name[len(prefix):] in plan_names:
+            name = name[len(prefix):]
         if name in sharded_names:
             spec = info.plan[name]
             key = GatherFull.key(spec)

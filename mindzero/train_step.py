@@ -91,6 +91,8 @@ def _route_one(grads, reduced, factor, scale, widen, i, unit, index):
 
 @_cast_to.register("TypeType", "Tensor")
 def _cast_one_to(dtype, g):
+    if g.dtype == dtype:  # no Cast node where nothing changes (every run without param_dtype)
+        return g
     return ops.cast(g, dtype)
 
 
@@ -148,10 +150,8 @@ _gather_write = ops.MultitypeFuncGraph("mindzero_gather_write")
 
 @_gather_write.register("Tensor", "Function", "Tensor", "Tensor")
 def _gather_write_one(after, gather, full, shard):
-    shard = ops.depend(shard, after)
-    if shard.dtype != full.dtype:  # mixed precision: gather in param_dtype, half the bytes of fp32
-        shard = ops.cast(shard, full.dtype)
-    return _write_one_full(full, gather(shard))
+    # mixed precision: gather in param_dtype, half the bytes of fp32
+    return _write_one_full(full, gather(_cast_one_to(full.dtype, ops.depend(shard, after))))
 
 
 @_write_full.register("Tensor", "Tensor")
@@ -307,8 +307,8 @@ class ZeroEMA(nn.Cell):
 
     def __init__(self, weights, decay: float, updates: int, dtype=None):
         super().__init__(auto_prefix=False)
-        self.ema_weights = ParameterTuple([Parameter(Tensor(w.asnumpy().copy(), dtype or w.dtype), name="ema." + w.name,
-                                                     requires_grad=False) for w in weights])
+        self.ema_weights = ParameterTuple([Parameter(Tensor(w.asnumpy().copy(), dtype or w.dtype),
+                                                     name="ema." + w.name, requires_grad=False) for w in weights])
         self.updates = Parameter(Tensor(float(updates), ms.float32), name="ema_updates", requires_grad=False)
         self.decay = float(decay)
 
