@@ -3,9 +3,9 @@
 ``train_net = prepare_train_network(net_with_loss, optimizer, zero_stage=2)``;
 ``loss, overflow, scale = train_net(*inputs)``.
 
-The pure-Python parts (:mod:`mindzero.plan`, :mod:`mindzero.config`, the
-formulas in :mod:`mindzero.memory`) import without MindSpore; the names that
-need MindSpore are imported on first use.
+The pure-Python parts (:mod:`mindzero.plan`, :mod:`mindzero.config`, the settings
+file :mod:`mindzero.settings`, the formulas in :mod:`mindzero.memory`) import without
+MindSpore; the names that need MindSpore are imported on first use.
 """
 from importlib import import_module
 
@@ -14,6 +14,7 @@ from .estimate import estimate_memory
 from .memory import expected_bytes
 from .layout import HybridLayout, LayoutError
 from .plan import ParamInfo, PartitionPlan, ShardSpec
+from .settings import ConfigError, load_config
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,9 @@ _LAZY = {
     "save_checkpoint": "mindzero.checkpoint",
     "load_checkpoint": "mindzero.checkpoint",
     "save_full_checkpoint": "mindzero.checkpoint",
+    "latest_checkpoint": "mindzero.checkpoint",
+    "read_trainer_state": "mindzero.checkpoint",
+    "ZeroCheckpoint": "mindzero.callback",
     "merge_checkpoint": "mindzero.merge",
     "reshard_checkpoint": "mindzero.merge",
     "convert_checkpoints": "mindzero.merge",
@@ -35,7 +39,8 @@ _LAZY = {
 }
 
 __all__ = sorted(["STAGES", "MixedPrecision", "StagePolicy", "ZeroConfig", "stage_policy", "expected_bytes", "ParamInfo",
-                  "PartitionPlan", "ShardSpec", "HybridLayout", "LayoutError", "estimate_memory", *_LAZY])
+                  "PartitionPlan", "ShardSpec", "HybridLayout", "LayoutError", "estimate_memory", "ConfigError", "load_config",
+                  *_LAZY])
 
 
 def __getattr__(name):

@@ -87,7 +87,10 @@ class _Barrier:
         return self.cell(Tensor(x)).asnumpy()
 
 
-def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="ckpt"):
+TRAINER_STATE = "trainer_state.json"
+
+
+def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="ckpt", trainer_state=None):
     """Save this train step's full training state into ``ckpt_dir``. Collective: all ranks call it.
 
     Args:
@@ -96,12 +99,20 @@ def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="
         step: recorded in the split info (default: the optimizer's ``global_step``).
         weights_only: save network parameters only (no optimizer states or scalars).
         format: ``"ckpt"`` or ``"safetensors"``.
+        trainer_state: ``None`` or a JSON-serialisable dict (e.g. epoch, data position, loss history),
+            written by rank 0 as ``trainer_state.json`` inside the checkpoint; :func:`read_trainer_state`.
 
     Raises:
         CheckpointError: bad ``format``, ``ckpt_dir`` exists, or called between micro-batches of an update.
     """
     if format not in FORMATS:
         raise CheckpointError(f"format must be one of {FORMATS}, got {format!r}")
+    state_bytes = None
+    if trainer_state is not None:
+        try:
+            state_bytes = json.dumps(trainer_state, indent=1, allow_nan=True).encode()
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"trainer_state must be a JSON-serialisable dict: {err}") from None
     info = train_net.zero_info
     final = Path(ckpt_dir)
     if final.exists():
@@ -125,6 +136,8 @@ def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="
         SplitInfo(run_id, info.config.zero_stage, info.world.group_size, info.world.rank, int(step), format,
                   info.plan.fingerprint(), tuple(e for e, _ in entries), replicas=info.world.replicas,
                   replica=info.world.replica).write(partial / split_info_name(info.world.rank))
+    if state_bytes is not None and info.world.world_rank == 0:
+        write_atomic(partial / TRAINER_STATE, state_bytes)
     barrier()
     if info.world.world_rank == 0:
         marker = {"run_id": run_id, "step": int(step), "group_size": info.world.group_size,
@@ -134,6 +147,38 @@ def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="
         os.replace(partial, final)
     barrier()
     return final
+
+
+def read_trainer_state(ckpt_dir) -> dict:
+    """The ``trainer_state`` saved with a checkpoint (``{}`` if none was)."""
+    path = Path(ckpt_dir) / TRAINER_STATE
+    if not (Path(ckpt_dir) / COMPLETE).is_file():
+        raise CheckpointError(f"{ckpt_dir}: not a complete mindzero checkpoint (no {COMPLETE} marker)")
+    if not path.is_file():
+        return {}
+    try:
+        state = json.loads(path.read_text())
+    except ValueError as err:
+        raise CheckpointError(f"{path}: not valid JSON: {err}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(state).__name__}")
+    return state
+
+
+def complete_checkpoints(root, prefix: str = "step_") -> list:
+    """The complete checkpoints ``root/<prefix>*`` (with a ``COMPLETE`` marker), oldest first by name;
+    ``.partial`` leftovers of an interrupted save are skipped."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob(prefix + "*")
+                  if p.suffix != ".partial" and (p / COMPLETE).is_file())
+
+
+def latest_checkpoint(root, prefix: str = "step_"):
+    """The newest complete checkpoint under ``root`` (:func:`complete_checkpoints`), or ``None``."""
+    done = complete_checkpoints(root, prefix)
+    return done[-1] if done else None
 
 
 def _write_rank_files(entries, directory: Path, rank: int, fmt: str) -> None:

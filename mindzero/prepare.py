@@ -166,7 +166,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
                           gradient_accumulation_steps=1, clip_grad=False, clip_norm=1.0, verbose=False,
                           zero_stage=0, optimizer_offload=False, optimizer_parallel_group=None, dp_group=None,
                           comm_fusion=None, parallel_modules=None, stage3_regather=True, param_dtype=None,
-                          reduce_dtype=None):
+                          reduce_dtype=None, config=None):
     """Wrap ``network`` (which returns the loss) and ``optimizer`` into a ZeRO train step.
 
     Must be called on all ranks, with the same network and optimizer structure,
@@ -210,6 +210,10 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
             (= ``param_dtype``, half the bytes of fp32) or ``ms.float32``; the optimizer gets fp32.
         parallel_modules: mindone's argument; not needed (stage 3 works for any Cell): a value raises
             ``NotImplementedError``.
+        config: a settings file (YAML path) or mapping (:func:`mindzero.load_config`) holding any of the
+            arguments above that a file can hold; ``hybrid_shard_size: G`` there creates the hybrid groups
+            (:func:`mindzero.create_hybrid_groups`). An argument also given here with a value other than its
+            default is an error (naming both values): one source per setting.
 
     Returns:
         :class:`ZeroTrainOneStepCell`; ``loss, overflow, scale = train_net(*inputs)``.
@@ -217,6 +221,9 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
     Raises:
         ValueError / TypeError: bad arguments (the message names the argument, value and rule).
     """
+    if config is not None:
+        given = {k: v for k, v in locals().items() if k not in ("network", "optimizer", "config")}
+        return prepare_train_network(network, optimizer, **_from_settings(config, given))
     config = ZeroConfig(zero_stage, gradient_accumulation_steps, clip_grad, clip_norm, drop_overflow_update, verbose,
                         MixedPrecision.parse(param_dtype, reduce_dtype))
     if not isinstance(stage3_regather, bool):
@@ -232,6 +239,37 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
     if verbose and train_net.zero_info.world.world_rank == 0:
         logger.warning("%s", plan_text(train_net))
     return train_net
+
+
+def _from_settings(config, given: dict) -> dict:
+    """The keyword arguments of ``prepare_train_network`` from a settings file or mapping plus the
+    arguments given directly (``given``: every argument's value); a setting in both is refused."""
+    import inspect
+
+    from .settings import resolve_settings
+
+    settings = resolve_settings(config)
+    defaults = {k: p.default for k, p in inspect.signature(prepare_train_network).parameters.items()}
+    explicit = {k: v for k, v in given.items() if not (type(v) is type(defaults[k]) and v == defaults[k])}
+    kwargs = {k: v for k, v in settings.items() if k != "checkpoint"}
+    shard_size = kwargs.pop("hybrid_shard_size", None)
+    both = sorted(set(kwargs) & set(explicit))
+    if shard_size is not None:
+        both += [k for k in ("optimizer_parallel_group", "dp_group") if k in explicit]
+    if both:
+        k = both[0]
+        raise ValueError(f"{k} is given both as an argument ({explicit[k]!r}) and in config "
+                         f"({kwargs.get(k, f'hybrid_shard_size={shard_size}')!r}); give each setting once")
+    if isinstance(kwargs.get("scale_sense"), dict):
+        s = kwargs["scale_sense"]
+        kwargs["scale_sense"] = nn.DynamicLossScaleUpdateCell(s["init_loss_scale"], s["scale_factor"],
+                                                              s["scale_window"])
+    if shard_size is not None:
+        from .comm import create_hybrid_groups, current_world
+
+        if shard_size != current_world().world_size:  # the whole world is no hybrid layout
+            kwargs["optimizer_parallel_group"], kwargs["dp_group"] = create_hybrid_groups(shard_size)
+    return {**given, **kwargs}
 
 
 def _build(network, optimizer, config, scale_sense, ema, updates, optimizer_offload, optimizer_parallel_group,

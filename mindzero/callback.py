@@ -1,0 +1,163 @@
+"""Training with ``mindspore.train.Model``: :class:`ZeroCheckpoint`, a callback that saves mindzero
+checkpoints every ``save_every`` steps and lets a restarted ``Model.train`` continue exactly.
+
+```python
+train_net = mindzero.prepare_train_network(net, opt, config="zero.yaml")
+ckpt = mindzero.ZeroCheckpoint(train_net, config="zero.yaml")      # or directory=, save_every=, keep=
+initial_epoch = ckpt.resume(dataset)                                 # 0 when there is no checkpoint yet
+Model(train_net).train(epochs, dataset, callbacks=[ckpt, LossMonitor(10)], dataset_sink_mode=False,
+                       initial_epoch=initial_epoch)
+```
+
+A step is one call of the train step (one micro-batch with ``gradient_accumulation_steps``), as
+``Model`` counts it. Each checkpoint (``<directory>/step_<n>``, written by
+:func:`mindzero.save_checkpoint`) also holds ``trainer_state.json``: the step, the epoch, the
+dataset's size and the loss of every step so far. :meth:`ZeroCheckpoint.resume` loads the newest
+complete checkpoint (:func:`mindzero.load_checkpoint`), moves the dataset to the saved position
+(``Dataset.set_init_step``, MindSpore's own resume mechanism: the same batches, in the same shuffled
+order, as an uninterrupted run) and returns the epoch for ``Model.train(initial_epoch=...)``; the
+callback then continues the step count, so ``LossMonitor`` and the saved step numbers carry on.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from mindspore.train import Callback
+
+from .checkpoint import (CheckpointError, complete_checkpoints, latest_checkpoint, load_checkpoint,
+                         read_trainer_state, save_checkpoint)
+from .settings import CHECKPOINT_DEFAULTS, check_settings, resolve_settings
+
+logger = logging.getLogger("mindzero")
+PREFIX = "step_"
+
+
+class ZeroCheckpoint(Callback):
+    """Save mindzero checkpoints during ``Model.train`` and resume from the newest complete one.
+
+    Args:
+        train_net: the train step from :func:`mindzero.prepare_train_network`, the one ``Model`` trains.
+        directory: where the checkpoints go (``step_<n>`` directories).
+        save_every: save every this many steps (a multiple of ``gradient_accumulation_steps``: a
+            checkpoint is taken after an update); ``None``: only at the end of training.
+        keep: keep the newest ``keep`` checkpoints (``0``: all).
+        format: ``"ckpt"`` or ``"safetensors"``.
+        config: a settings file or mapping (:func:`mindzero.load_config`) whose ``checkpoint`` section
+            gives any of ``dir``, ``save_every``, ``keep``, ``format``; an argument also given here with
+            a value other than its default is an error.
+
+    Collective: every rank must use it (each save is collective). ``dataset_sink_mode=False`` only.
+    """
+
+    def __init__(self, train_net, directory=None, save_every=None, keep=2, format="ckpt", config=None):
+        super().__init__()
+        given = {"dir": None if directory is None else str(directory), "save_every": save_every, "keep": keep,
+                 "format": format}
+        explicit = {k: v for k, v in given.items() if v != CHECKPOINT_DEFAULTS[k]}
+        settings = check_settings({"checkpoint": explicit}, "ZeroCheckpoint")["checkpoint"]
+        if config is not None:
+            from_file = {k: v for k, v in resolve_settings(config)["checkpoint"].items()
+                         if v != CHECKPOINT_DEFAULTS[k]}
+            both = sorted(set(from_file) & set(explicit))
+            if both:
+                k = both[0]
+                raise ValueError(f"ZeroCheckpoint: {k} is given both as an argument ({explicit[k]!r}) and in "
+                                 f"config ({from_file[k]!r}); give each setting once")
+            settings.update(from_file)
+        if settings["dir"] is None:
+            raise ValueError("ZeroCheckpoint: directory (or checkpoint.dir in config) is required, got None")
+        info = train_net.zero_info
+        k = info.config.gradient_accumulation_steps
+        if settings["save_every"] is not None and settings["save_every"] % k:
+            raise ValueError(f"ZeroCheckpoint: save_every={settings['save_every']} must be a multiple of "
+                             f"gradient_accumulation_steps={k} (a checkpoint is taken after an update)")
+        self.train_net = train_net
+        self.directory = Path(settings["dir"])
+        self.save_every, self.keep, self.format = settings["save_every"], settings["keep"], settings["format"]
+        self._accumulation = k
+        self._rank = info.world.world_rank
+        self._start_step = 0
+        self._batch_num = None
+        self._last_saved = None
+        self.history = []  # [step, loss] of every step taken, including those before a resume
+
+    def resume(self, dataset) -> int:
+        """Load the newest complete checkpoint under ``directory`` (if any) into the train step, move
+        ``dataset`` to the position it was saved at, and return the epoch to pass as
+        ``Model.train(..., initial_epoch=...)`` (0 without a checkpoint). Every rank calls it.
+
+        Raises:
+            CheckpointError: the checkpoint does not fit the train step, or was saved with a dataset of
+                another size (the saved data position would mean other batches).
+        """
+        latest = latest_checkpoint(self.directory, PREFIX)
+        if latest is None:
+            return 0
+        state = read_trainer_state(latest)
+        missing = [k for k in ("step", "batch_num", "history") if k not in state]
+        if missing:
+            raise CheckpointError(f"{latest}: not written by ZeroCheckpoint (trainer_state lacks {missing}); "
+                                  "load it with mindzero.load_checkpoint")
+        size = dataset.get_dataset_size()
+        if size != state["batch_num"]:
+            raise CheckpointError(f"{latest}: saved with a dataset of {state['batch_num']} batches per epoch, "
+                                  f"this dataset has {size}: the saved position would mean other data")
+        load_checkpoint(self.train_net, latest)
+        step = int(state["step"])
+        dataset.set_init_step(step)
+        self._start_step = self._last_saved = step
+        self.history = [list(h) for h in state["history"]]
+        logger.info("ZeroCheckpoint: resumed from %s at step %d (epoch %d)", latest, step, step // size)
+        return step // size
+
+    def on_train_begin(self, run_context):
+        cb = run_context.original_args()
+        if cb.dataset_sink_mode:
+            raise ValueError("ZeroCheckpoint needs Model.train(..., dataset_sink_mode=False): in sink mode "
+                             "several steps run inside the device, where no checkpoint can be taken")
+        if cb.train_network is not self.train_net:
+            raise ValueError("ZeroCheckpoint: Model trains another network than the train_net given to "
+                             "ZeroCheckpoint; pass the Cell prepare_train_network returned to both")
+        self._batch_num = cb.batch_num
+        if self._start_step and cb.cur_step_num < self._start_step:
+            cb.cur_step_num = self._start_step  # Model counts from 0; the resumed run carries on
+
+    def on_train_step_end(self, run_context):
+        cb = run_context.original_args()
+        out = cb.net_outputs
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        self.history.append([int(cb.cur_step_num), float(loss.asnumpy())])
+        if self.save_every and cb.cur_step_num % self.save_every == 0:
+            self._save(cb)
+
+    def on_train_end(self, run_context):
+        cb = run_context.original_args()
+        step = int(cb.cur_step_num)
+        if step == self._last_saved:
+            return
+        if step % self._accumulation:
+            logger.warning("ZeroCheckpoint: training ended at step %d, between the micro-batches of an update "
+                           "(gradient_accumulation_steps=%d): no final checkpoint", step, self._accumulation)
+            return
+        self._save(cb)
+
+    def _save(self, cb) -> None:
+        step = int(cb.cur_step_num)
+        path = self.directory / f"{PREFIX}{step:08d}"
+        if path.exists():
+            raise CheckpointError(f"{path} already exists: a ZeroCheckpoint directory belongs to one run (resume "
+                                  "it with ZeroCheckpoint.resume, or choose another directory)")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        state = {"step": step, "epoch": int(cb.cur_epoch_num), "batch_num": int(self._batch_num),
+                 "history": self.history}
+        save_checkpoint(self.train_net, path, step=step, format=self.format, trainer_state=state)
+        self._last_saved = step
+        if self._rank == 0:
+            removed = complete_checkpoints(self.directory, PREFIX)[:-self.keep] if self.keep else []
+            stale = [p for p in self.directory.glob(PREFIX + "*.partial") if p.is_dir()]  # interrupted saves
+            for p in (*removed, *stale):
+                shutil.rmtree(p, ignore_errors=True)
+            logger.info("ZeroCheckpoint: saved %s%s", path,
+                        f" (removed {', '.join(p.name for p in removed)})" if removed else "")
