@@ -11,8 +11,8 @@ Model(train_net).train(epochs, dataset, callbacks=[ckpt, LossMonitor(10)], datas
 
 A step is one call of the train step (one micro-batch with ``gradient_accumulation_steps``), as
 ``Model`` counts it. Each checkpoint (``<directory>/step_<n>``, written by
-:func:`mindzero.save_checkpoint`) also holds ``trainer_state.json``: the step, the epoch, the
-dataset's size and the loss of every step so far. :meth:`ZeroCheckpoint.resume` loads the newest
+:func:`mindzero.save_checkpoint`) also holds, per rank, ``trainer_state_<rank>.json``: the step, the
+epoch, the dataset's size and the rank's loss of every step so far. :meth:`ZeroCheckpoint.resume` loads the newest
 complete checkpoint (:func:`mindzero.load_checkpoint`), moves the dataset to the saved position
 (``Dataset.set_init_step``, MindSpore's own resume mechanism: the same batches, in the same shuffled
 order, as an uninterrupted run) and returns the epoch for ``Model.train(initial_epoch=...)``; the
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from mindspore.train import Callback
 
-from .checkpoint import (CheckpointError, complete_checkpoints, latest_checkpoint, load_checkpoint,
+from .checkpoint import (CheckpointError, _Barrier, complete_checkpoints, latest_checkpoint, load_checkpoint,
                          read_trainer_state, save_checkpoint)
 from .settings import CHECKPOINT_DEFAULTS, check_settings, resolve_settings
 
@@ -95,7 +95,7 @@ class ZeroCheckpoint(Callback):
         latest = latest_checkpoint(self.directory, PREFIX)
         if latest is None:
             return 0
-        state = read_trainer_state(latest)
+        state = read_trainer_state(latest, self._rank)
         missing = [k for k in ("step", "batch_num", "history") if k not in state]
         if missing:
             raise CheckpointError(f"{latest}: not written by ZeroCheckpoint (trainer_state lacks {missing}); "
@@ -161,3 +161,4 @@ class ZeroCheckpoint(Callback):
                 shutil.rmtree(p, ignore_errors=True)
             logger.info("ZeroCheckpoint: saved %s%s", path,
                         f" (removed {', '.join(p.name for p in removed)})" if removed else "")
+        _Barrier(self.train_net.zero_info.world)()  # every rank sees the directory as rank 0 left it

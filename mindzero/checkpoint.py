@@ -87,7 +87,8 @@ class _Barrier:
         return self.cell(Tensor(x)).asnumpy()
 
 
-TRAINER_STATE = "trainer_state.json"
+def trainer_state_name(rank: int) -> str:
+    return f"trainer_state_{rank}.json"
 
 
 def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="ckpt", trainer_state=None):
@@ -99,8 +100,9 @@ def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="
         step: recorded in the split info (default: the optimizer's ``global_step``).
         weights_only: save network parameters only (no optimizer states or scalars).
         format: ``"ckpt"`` or ``"safetensors"``.
-        trainer_state: ``None`` or a JSON-serialisable dict (e.g. epoch, data position, loss history),
-            written by rank 0 as ``trainer_state.json`` inside the checkpoint; :func:`read_trainer_state`.
+        trainer_state: ``None`` or a JSON-serialisable dict (e.g. epoch, data position, this rank's loss
+            history), written by every rank as ``trainer_state_<rank>.json`` (world rank) inside the
+            checkpoint; :func:`read_trainer_state`.
 
     Raises:
         CheckpointError: bad ``format``, ``ckpt_dir`` exists, or called between micro-batches of an update.
@@ -136,8 +138,8 @@ def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="
         SplitInfo(run_id, info.config.zero_stage, info.world.group_size, info.world.rank, int(step), format,
                   info.plan.fingerprint(), tuple(e for e, _ in entries), replicas=info.world.replicas,
                   replica=info.world.replica).write(partial / split_info_name(info.world.rank))
-    if state_bytes is not None and info.world.world_rank == 0:
-        write_atomic(partial / TRAINER_STATE, state_bytes)
+    if state_bytes is not None:
+        write_atomic(partial / trainer_state_name(info.world.world_rank), state_bytes)
     barrier()
     if info.world.world_rank == 0:
         marker = {"run_id": run_id, "step": int(step), "group_size": info.world.group_size,
@@ -149,9 +151,9 @@ def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="
     return final
 
 
-def read_trainer_state(ckpt_dir) -> dict:
-    """The ``trainer_state`` saved with a checkpoint (``{}`` if none was)."""
-    path = Path(ckpt_dir) / TRAINER_STATE
+def read_trainer_state(ckpt_dir, rank: int = 0) -> dict:
+    """The ``trainer_state`` world rank ``rank`` saved with a checkpoint (``{}`` if none was)."""
+    path = Path(ckpt_dir) / trainer_state_name(rank)
     if not (Path(ckpt_dir) / COMPLETE).is_file():
         raise CheckpointError(f"{ckpt_dir}: not a complete mindzero checkpoint (no {COMPLETE} marker)")
     if not path.is_file():

@@ -1,0 +1,103 @@
+"""One process: ``prepare_train_network(config=...)`` and ``ZeroCheckpoint`` refuse bad input with errors
+that name the argument or key, the value and the rule; a config file gives what the same arguments give."""
+import numpy as np
+import pytest
+import mindspore as ms
+import mindspore.dataset as ds
+from mindspore import Tensor, nn
+from mindspore.train import Model, RunContext
+
+import mindzero
+from mindzero.checkpoint import CheckpointError
+from models import MixedNet, build
+
+ms.set_context(mode=ms.GRAPH_MODE)
+ms.set_device("CPU")
+
+
+def prepare(**kw):
+    net = build("mixed")
+    return mindzero.prepare_train_network(net, nn.Adam(net.trainable_params(), 1e-2), **kw)
+
+
+def losses(step, n=3):
+    rng = np.random.RandomState(0)
+    return [float(step(*[Tensor(a) for a in MixedNet.batch(rng)])[0].asnumpy()) for _ in range(n)]
+
+
+def dataset(samples):
+    x, y = MixedNet.batch(np.random.RandomState(1), samples)
+    return ds.GeneratorDataset(list(zip(x, y)), ["x", "y"], shuffle=False).batch(2)
+
+
+def test_config_file_equals_arguments(tmp_path):
+    cfg = tmp_path / "zero.yaml"
+    cfg.write_text("zero_stage: 2\ngradient_accumulation_steps: 1\nclip_grad: true\nclip_norm: 0.1\n"
+                   "scale_sense: {init_loss_scale: 1024, scale_factor: 2, scale_window: 2}\n")
+    by_file = prepare(config=cfg)
+    by_args = prepare(zero_stage=2, clip_grad=True, clip_norm=0.1,
+                      scale_sense=nn.DynamicLossScaleUpdateCell(1024.0, 2, 2))
+    assert by_file.zero_info.config == by_args.zero_info.config
+    assert losses(by_file) == losses(by_args)
+    np.testing.assert_array_equal(by_file.scale_sense.asnumpy(), by_args.scale_sense.asnumpy())
+    assert float(by_file.scale_sense.asnumpy()) == 2048.0  # dynamic: grew after 2 good steps
+
+
+def test_config_given_twice_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"zero_stage is given both as an argument \(3\) and in config \(2\); "
+                                         "give each setting once"):
+        prepare(zero_stage=3, config={"zero_stage": 2})
+    with pytest.raises(mindzero.ConfigError, match=r"missing.yaml: cannot read the settings file"):
+        prepare(config=tmp_path / "missing.yaml")
+    with pytest.raises(mindzero.ConfigError, match=r"^config: key 'clip_norm': value 0: must be a number > 0"):
+        prepare(config={"clip_norm": 0})
+
+
+def test_zero_checkpoint_bad_arguments(tmp_path):
+    step = prepare(zero_stage=1, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match=r"save_every=3 must be a multiple of gradient_accumulation_steps=2"):
+        mindzero.ZeroCheckpoint(step, tmp_path, save_every=3)
+    with pytest.raises(ValueError, match=r"directory \(or checkpoint.dir in config\) is required"):
+        mindzero.ZeroCheckpoint(step, save_every=2)
+    with pytest.raises(mindzero.ConfigError, match=r"^ZeroCheckpoint: key 'checkpoint.keep': value -1: must be an int"):
+        mindzero.ZeroCheckpoint(step, tmp_path, keep=-1)
+    with pytest.raises(ValueError, match=r"keep is given both as an argument \(3\) and in config \(5\)"):
+        mindzero.ZeroCheckpoint(step, tmp_path, keep=3, config={"checkpoint": {"keep": 5}})
+    ck = mindzero.ZeroCheckpoint(step, config={"checkpoint": {"dir": str(tmp_path / "c"), "save_every": 4}})
+    assert (ck.directory, ck.save_every, ck.keep, ck.format) == (tmp_path / "c", 4, 2, "ckpt")
+
+
+def test_zero_checkpoint_refuses_sink_mode_and_another_network(tmp_path):
+    step = prepare(zero_stage=0)
+    ck = mindzero.ZeroCheckpoint(step, tmp_path)
+    cb = {"dataset_sink_mode": True, "train_network": step, "batch_num": 4, "cur_step_num": 0}
+    with pytest.raises(ValueError, match=r"needs Model.train\(..., dataset_sink_mode=False\)"):
+        ck.on_train_begin(RunContext(_Params(cb)))
+    with pytest.raises(ValueError, match=r"Model trains another network than the train_net"):
+        ck.on_train_begin(RunContext(_Params({**cb, "dataset_sink_mode": False, "train_network": prepare()})))
+
+
+class _Params(dict):
+    __getattr__ = dict.__getitem__
+
+
+def test_resume_refuses_other_data_and_foreign_checkpoints(tmp_path):
+    """A checkpoint saved with 4 batches per epoch is not resumed with 5 (the position would mean other
+    data); a checkpoint not written by ZeroCheckpoint is refused with the way to load it; the train step
+    resumed from the right dataset continues at the saved step."""
+    step = prepare(zero_stage=1)
+    ck = mindzero.ZeroCheckpoint(step, tmp_path / "run", save_every=2)
+    Model(step).train(1, dataset(8), callbacks=[ck], dataset_sink_mode=False)
+    assert [p.name for p in mindzero.checkpoint.complete_checkpoints(tmp_path / "run")] == ["step_00000002",
+                                                                                          "step_00000004"]
+    with pytest.raises(CheckpointError, match=r"step_00000004: saved with a dataset of 4 batches per epoch, "
+                                              "this dataset has 5"):
+        mindzero.ZeroCheckpoint(prepare(zero_stage=1), tmp_path / "run").resume(dataset(10))
+    again = mindzero.ZeroCheckpoint(prepare(zero_stage=1), tmp_path / "run")
+    assert again.resume(dataset(8)) == 1 and [s for s, _ in again.history] == [1, 2, 3, 4]
+    mindzero.save_checkpoint(step, tmp_path / "plain" / "step_00000009")
+    with pytest.raises(CheckpointError, match=r"not written by ZeroCheckpoint .*load it with mindzero.load_checkpoint"):
+        mindzero.ZeroCheckpoint(step, tmp_path / "plain").resume(dataset(8))
+    with pytest.raises(CheckpointError, match=r"trainer_state must be a JSON-serialisable dict"):
+        mindzero.save_checkpoint(step, tmp_path / "x", trainer_state={"a": object()})
+    assert not (tmp_path / "x").exists()
