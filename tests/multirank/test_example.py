@@ -2,11 +2,13 @@
 stage 0's, checkpoints are kept and pruned, the merged model loads into the plain network and
 generates, a loss curve is drawn, and an interrupted run resumes to the same losses."""
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import mindzero
 from mindzero.ckpt_io import open_reader
 from mindzero.local_launch import msrun, rank_output
 
@@ -77,3 +79,42 @@ def test_no_resume_refuses_existing_checkpoints(resumed, tmp_path):
     with pytest.raises(AssertionError, match="already holds checkpoints and --no-resume was given"):
         msrun(SCRIPT, 2, out, ["--config", CONFIG, "--stage", "2", "--no-resume"], timeout=300,
               env={"MS_NODE_TIMEOUT": "10"})
+
+
+MODEL_SCRIPT = REPO / "examples" / "train_with_model.py"
+MODEL_CONFIG = HERE / "configs" / "gpt_model_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def with_model(tmp_path_factory):
+    """examples/train_with_model.py from its config: stopped after step 6, then run again on the same --out."""
+    out = tmp_path_factory.mktemp("example_model")
+    msrun(MODEL_SCRIPT, 2, out, ["--config", MODEL_CONFIG, "--out", out, "--stop-after", "6"], timeout=900)
+    first = rank_output(out, 0)
+    msrun(MODEL_SCRIPT, 2, out, ["--config", MODEL_CONFIG, "--out", out], timeout=900)
+    return out, first, rank_output(out, 0)
+
+
+def test_model_example_stops_resumes_and_merges(with_model):
+    """Model.train with ZeroCheckpoint from the config file (stage 3, accumulation 2, checkpoints every 4
+    steps, 2 kept): the second launch resumes at step 6 and finishes epoch 2; LossMonitor and TimeMonitor
+    print; the merged model loads into the plain network; each launch ends with a summary line."""
+    import mindspore as ms
+
+    out, first, second = with_model
+    assert "ZeRO stage 3 on 2 ranks, 2 epochs x 10 steps" in first and "from scratch" in first
+    assert "stopping after step 6" in first and "done: step 6/20" in first
+    assert "resumed at step 6 (epoch 1)" in second and "done: step 20/20" in second
+    assert "epoch: 1 step: 5, loss is" in first and "epoch: 2 step: 7, loss is" in second  # LossMonitor(5)
+    assert "per step time" in first and "per step time" in second
+    assert sorted(p.name for p in (out / "ckpts").iterdir()) == ["step_00000016", "step_00000020"]
+    state = mindzero.read_trainer_state(out / "ckpts" / "step_00000020")
+    assert state["step"] == 20 and [s for s, _ in state["history"]] == list(range(1, 21))
+    assert state["history"][-1][1] < state["history"][0][1]
+    sys.path.insert(0, str(REPO / "examples"))
+    from gpt import GPT, LMLoss  # noqa: E402
+
+    params = ms.load_checkpoint(str(out / "final_model.ckpt"))
+    missing, unused = ms.load_param_into_net(LMLoss(GPT(len(params["gpt.embed.embedding_table"]), 32, 1, 2, 16)),
+                                             params, strict_load=True)
+    assert not missing and not unused

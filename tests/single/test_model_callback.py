@@ -101,3 +101,21 @@ def test_resume_refuses_other_data_and_foreign_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match=r"trainer_state must be a JSON-serialisable dict"):
         mindzero.save_checkpoint(step, tmp_path / "x", trainer_state={"a": object()})
     assert not (tmp_path / "x").exists()
+
+
+def test_example_refuses_a_bad_config_before_starting(tmp_path):
+    """examples/train_with_model.py reads its ZeRO settings with mindzero.load_config: a bad value stops it
+    before any rank starts, naming the file, the key, the value and the rule."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((repo / "examples" / "configs" / "gpt_model.yaml").read_text().replace("zero_stage: 3",
+                                                                                           "zero_stage: 5"))
+    run = subprocess.run([sys.executable, str(repo / "examples" / "train_with_model.py"), "--config", str(bad),
+                          "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert f"ConfigError: {bad} [zero]: key 'zero_stage': value 5: zero_stage must be 0, 1, 2 or 3" in run.stderr
+    assert not (tmp_path / "out").exists()
