@@ -6,7 +6,7 @@ setup(
     description="ZeRO (stages 0-3) for MindSpore data-parallel training",
     packages=find_packages(include=["mindzero", "mindzero.*"]),
     python_requires=">=3.9",
-    install_requires=["mindspore==2.10.0", "numpy<2", "pyyaml"],
+    install_requires=["mindspore==2.10.0", "numpy<2", "pyyaml", "tqdm"],
     extras_require={"test": ["pytest"]},
     entry_points={"console_scripts": ["mindzero-merge=mindzero.merge:main_merge",
                                       "mindzero-reshard=mindzero.merge:main_reshard",

@@ -30,7 +30,7 @@ from mindspore import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mindzero  # noqa: E402
-from mindzero.checkpoint import COMPLETE  # noqa: E402
+from mindzero.checkpoint import complete_checkpoints, latest_checkpoint  # noqa: E402
 from mindzero.comm import AllGather  # noqa: E402
 from mindzero.merge import merge_checkpoint  # noqa: E402
 from gpt import GPT, CharTokenizer, LMLoss, batches, generate, init_params, make_corpus  # noqa: E402
@@ -68,16 +68,6 @@ def build(cfg, vocab, stage, verbose):
                                            gradient_accumulation_steps=t["gradient_accumulation_steps"],
                                            verbose=verbose)
     return train
-
-
-def complete_checkpoints(ckpt_root: Path) -> list:
-    """The complete checkpoints under ``ckpt_root``, oldest first (``.partial`` leftovers of a crash are skipped)."""
-    return sorted(p for p in ckpt_root.glob("step_*") if (p / COMPLETE).is_file() and p.suffix != ".partial")
-
-
-def latest_checkpoint(ckpt_root: Path):
-    done = complete_checkpoints(ckpt_root)
-    return done[-1] if done else None
 
 
 def write_json(path: Path, obj) -> None:

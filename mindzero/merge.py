@@ -85,18 +85,34 @@ class Source:
 
 
 class _Progress:
-    def __init__(self, total_tensors, total_bytes, log):
+    """Progress of a long tensor-by-tensor job: a tqdm bar on stderr (bytes done, rate, time left) when
+    tqdm is installed, else a line every 5 s through ``log``; :meth:`summary` ends with one line."""
+
+    def __init__(self, total_tensors, total_bytes, log, desc="tensors"):
         self.n, self.total, self.total_bytes, self.log = 0, total_tensors, total_bytes, log
         self.bytes, self.start, self.last = 0, time.time(), time.time()
+        self.bar = None
+        if log is not None:
+            try:
+                from tqdm import tqdm
+            except ImportError:  # the periodic log lines instead
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                                file=sys.stderr, mininterval=0.5 if sys.stderr.isatty() else 10)
 
     def step(self, nbytes):
         self.n += 1
         self.bytes += nbytes
-        if time.time() - self.last > 5 and self.log:
+        if self.bar is not None:
+            self.bar.update(nbytes)
+        elif time.time() - self.last > 5 and self.log:
             self.last = time.time()
             self.log(f"  {self.n}/{self.total} tensors, {self.bytes / 2**20:.1f}/{self.total_bytes / 2**20:.1f} MiB")
 
     def summary(self, what, out):
+        if self.bar is not None:
+            self.bar.close()
         secs = time.time() - self.start
         text = f"{what} {self.n} tensors, {self.bytes / 2**20:.1f} MiB in {secs:.1f}s -> {out}"
         if self.log:
@@ -147,7 +163,7 @@ def merge_checkpoint(ckpt_dir, out, format="ckpt", with_optimizer=False, force=F
     # (output name, the tensor whose values it gets)
     sources = [(t.name, masters.get(t.name, t) if t.kind == "parameter" else t) for t in entries]
     layout = [(name, t.dtype, t.shape) for name, t in sources]
-    progress = _Progress(len(sources), sum(t.numel * np_dtype(t.dtype).itemsize for _, t in sources), log)
+    progress = _Progress(len(sources), sum(t.numel * np_dtype(t.dtype).itemsize for _, t in sources), log, "merge")
     with open_writer(out, format, layout) as writer:
         for name, t in sources:
             value = src.full(t.name)
@@ -222,7 +238,7 @@ def _write_resharded(src: Source, infos: list, partial: Path, fmt: str, log) -> 
             layouts.setdefault(t.file, {}).setdefault(t.name, (t.name, t.dtype, piece))
     writers = {f: open_writer(partial / f, fmt, list(lay.values())) for f, lay in layouts.items()}
     progress = _Progress(len(src.ref.tensors), sum(t.numel * np_dtype(t.dtype).itemsize for t in src.ref.tensors),
-                         log)
+                         log, "reshard")
     try:
         for i, t in enumerate(src.ref.tensors):
             full = None if t.kind == "parameter" and t.replicated_reason == REASON_NOT_OPTIMIZED else src.full(t.name)

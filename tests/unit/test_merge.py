@@ -171,3 +171,17 @@ def test_cli_errors_and_summary(tmp_path):
                           f"sys.exit(main_merge(['{ck}', '-o', '{tmp_path / 'o.ckpt'}']))"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "exists; pass force=True" in bad.stderr, bad
+
+
+def test_progress_bar_and_summary_line(tmp_path, capsys):
+    """Merge and reshard show a tqdm bar (bytes) on stderr and end with one summary line through ``log``;
+    ``log=None`` shows neither."""
+    write_synthetic(tmp_path / "ck", 2, 3)
+    lines = []
+    merge_checkpoint(tmp_path / "ck", tmp_path / "m.ckpt", with_optimizer=True, log=lines.append)
+    reshard_checkpoint(tmp_path / "ck", tmp_path / "re", 4, log=lines.append)
+    err = capsys.readouterr().err
+    assert "merge:" in err and "reshard:" in err and "100%" in err, err
+    assert len(lines) == 2 and lines[0].startswith("merged ") and lines[1].startswith("resharded to 4 ranks, stage 3:")
+    merge_checkpoint(tmp_path / "ck", tmp_path / "m2.ckpt", log=None)
+    assert capsys.readouterr().err == ""
