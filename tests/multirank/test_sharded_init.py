@@ -16,10 +16,16 @@ HERE = Path(__file__).resolve().parent
 MARGIN_MIB = 64  # framework allocations during prepare (the plan check compiles a small graph)
 
 
+# every stage at 2 ranks; at 4 ranks the stages that shard something different (optimizer states only;
+# everything), to keep the suite's time: stage 0 holds everything, stage 2 holds parameters as stage 1
+STAGES_AT = {2: (0, 1, 2, 3), 4: (1, 3)}
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"init{request.param}")
-    msrun(HERE / "worker_init.py", request.param, out, timeout=1500)
+    msrun(HERE / "worker_init.py", request.param, out, ["--stages", ",".join(map(str, STAGES_AT[request.param]))],
+          timeout=1500)
     return request.param, out
 
 
@@ -36,6 +42,8 @@ def test_lazy_build_equals_eager_build(run, model, stage):
     re-initialisation with set_data (mindcv's vision transformer), NumPy-made, replicated and BatchNorm
     parameters."""
     n, out = run
+    if stage not in STAGES_AT[n]:
+        pytest.skip(f"stage {stage} is compared at 2 ranks; at {n} ranks only stages {STAGES_AT[n]} (suite time)")
     for r in range(n):
         eager, lazy = load(out, r, f"{model}-{stage}-eager"), load(out, r, f"{model}-{stage}-lazy")
         assert sorted(eager) == sorted(lazy)

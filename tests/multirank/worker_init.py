@@ -180,6 +180,7 @@ def seed_mismatch(stage, world):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--stages", default="0,1,2,3", help="stages of the eager-vs-lazy comparisons")
     args = ap.parse_args()
     world = mindzero.start_data_parallel()
     out_dir = Path(args.out) / f"rank_{world.world_rank}"
@@ -188,7 +189,7 @@ def main():
               "eager-3": peak_growth("wide", 3, False)}  # lazy first: a fresh process
     (out_dir / "memory.json").write_text(json.dumps(memory, indent=1))
     for model in ("lm", "zoo", "vit"):
-        for stage in (0, 1, 2, 3):
+        for stage in (int(s) for s in args.stages.split(",")):
             for lazy in (False, True):
                 arrays = values_and_training(model, stage, lazy, world)
                 np.savez(out_dir / f"{model}-{stage}-{'lazy' if lazy else 'eager'}.npz", **arrays)
