@@ -131,8 +131,12 @@ def main(argv=None):
         atexit.register(_reap, scheduler)
     try:
         run_script(a.script, a.args)
-    except BaseException:
-        if scheduler is not None:  # the job is over: do not keep the others waiting on a scheduler
+    except BaseException as err:
+        # a script ending with sys.exit(0) / sys.exit(None) succeeded: the scheduler must live on until every
+        # other worker has unregistered (killing it made a slower rank fail "to unregister from the meta
+        # server node" and mpirun abort the job); any other exception ends the job
+        failed = not (isinstance(err, SystemExit) and err.code in (None, 0))
+        if failed and scheduler is not None:  # the job is over: do not keep the others waiting on a scheduler
             scheduler.kill()
         raise
     return 0

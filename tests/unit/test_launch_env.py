@@ -56,3 +56,35 @@ def test_first_failure_reads_mpirun_reports():
                          {}) == (1, "killed by signal 9")
     text = "The first process to do so was:\n\n  Process name: [[32749,1],1]\n  Exit code:    1\n"
     assert first_failure(text, {}) == (1, "exit status 1")
+
+
+@pytest.mark.parametrize("ending, killed", [(SystemExit(None), False), (SystemExit(0), False), (SystemExit(2), True),
+                                            (ValueError("boom"), True)])
+def test_rank0_keeps_the_scheduler_when_the_script_exits_cleanly(monkeypatch, tmp_path, ending, killed):
+    """A script ending in ``sys.exit(main())`` succeeded: rank 0 must not kill MindSpore's scheduler then
+    (the other ranks still unregister from it; found as an mpirun job aborted with "Failed to unregister
+    from the meta server node"); on a failure it kills it so nobody waits. No processes: the scheduler is
+    a stand-in."""
+    import mindzero.launch as launch
+
+    class Scheduler:
+        kills = 0
+
+        def kill(self):
+            Scheduler.kills += 1
+
+        def wait(self, timeout):
+            return 0
+
+    def script(*_):
+        raise ending
+
+    monkeypatch.setattr(launch, "launcher_rank", lambda: ("OpenMPI", 0, 2, "7"))
+    monkeypatch.setattr(launch, "start_scheduler", lambda env, log: Scheduler())
+    monkeypatch.setattr(launch, "run_script", script)
+    monkeypatch.setattr(launch.atexit, "register", lambda *a: None)
+    monkeypatch.delenv("MS_ROLE", raising=False)
+    monkeypatch.setattr(launch.os, "environ", dict(launch.os.environ))  # cluster_env's variables stay here
+    with pytest.raises(type(ending)):
+        launch.main(["--log-dir", str(tmp_path), "script.py"])
+    assert Scheduler.kills == int(killed)
