@@ -94,7 +94,7 @@ def check_layout_errors(world, out_dir):
     (out_dir / "layout_errors.json").write_text(json.dumps(messages, indent=1))
 
 
-def check_checkpoint(out_root, out_dir, groups):
+def check_checkpoint(out_root, out_dir):
     """Save the last hybrid train step, reload it into a fresh one, and keep both states."""
     train = run.last_train
     ckpt = out_root / "ckpt_hybrid"
@@ -102,8 +102,10 @@ def check_checkpoint(out_root, out_dir, groups):
     saved = mindzero.gather_full_state_dict(train)
     scn = dict(name="ckpt", model="mixed", opt="adamw_groups", stage=3, hybrid=True)
     net = build(scn["model"], seed=5)  # other initial values: the load must overwrite them
-    fresh = mindzero.prepare_train_network(net, make_optimizer(scn["opt"], net), zero_stage=3,
-                                           optimizer_parallel_group=groups[0], dp_group=groups[1])
+    # from a settings mapping: hybrid_shard_size stands for the groups (the load fails if they were not made)
+    fresh = mindzero.prepare_train_network(net, make_optimizer(scn["opt"], net),
+                                           config={"zero_stage": 3, "hybrid_shard_size": 2})
+    assert (fresh.zero_info.world.group_size, fresh.zero_info.world.replicas) == (2, 2), fresh.zero_info.world
     mindzero.load_checkpoint(fresh, ckpt)
     loaded = mindzero.gather_full_state_dict(fresh)
     np.savez(out_dir / "ckpt_state.npz", **{"saved/" + k: v for k, v in saved.items()},
@@ -129,7 +131,7 @@ def main():
             memory[scn["name"]] = mem
         print(f"scenario {scn['name']}: {time.time() - t:.1f}s", flush=True)
         if scn["name"] == "mixed-h3":
-            check_checkpoint(Path(args.out), out_dir, groups)
+            check_checkpoint(Path(args.out), out_dir)
     (out_dir / "memory.json").write_text(json.dumps(memory, indent=1))
     check_layout_errors(world, out_dir)
     (Path(args.out) / f"rank_{flat.world_rank}.done").write_text("ok")
