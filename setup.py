@@ -10,5 +10,6 @@ setup(
     extras_require={"test": ["pytest"]},
     entry_points={"console_scripts": ["mindzero-merge=mindzero.merge:main_merge",
                                       "mindzero-reshard=mindzero.merge:main_reshard",
+                                      "mindzero-verify=mindzero.merge:main_verify",
                                       "mindzero-estimate=mindzero.estimate:main"]},
 )

@@ -5,7 +5,7 @@
 Writes a stage-3 checkpoint of ``--mib`` MiB of fp32 parameters, saved as by ``--ranks`` ranks
 (shards with padding), then merges it in a child process and reports the child's peak RSS
 (``ru_maxrss``) next to a child that only imports the tools, and the largest tensor.
-Prints a markdown table and writes ``results.json``.
+Also times ``mindzero-verify`` on it. Prints a markdown table and writes ``results.json``.
 """
 import argparse
 import json
@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mindzero.ckpt_io import open_writer  # noqa: E402
+from mindzero.ckpt_io import crc32_array, open_writer  # noqa: E402
 from mindzero.plan import ParamInfo, PartitionPlan  # noqa: E402
-from mindzero.split_info import SplitInfo, TensorEntry, split_info_name  # noqa: E402
+from mindzero.split_info import SplitInfo, TensorEntry, split_info_name, write_marker  # noqa: E402
 
 
 def make_checkpoint(directory: Path, mib: int, ranks: int) -> tuple:
@@ -38,13 +38,16 @@ def make_checkpoint(directory: Path, mib: int, ranks: int) -> tuple:
     for r in range(ranks):
         specs = [s.for_rank(r) for s in plan]
         layout = [(s.name, "float32", (s.shard_size,)) for s in specs]
+        crcs = {}
         with open_writer(directory / f"rank_{r}.ckpt", "ckpt", layout) as w:
             for s in specs:
-                w.write(s.name, rng.standard_normal(s.shard_size, dtype=np.float32), "float32")
+                piece = rng.standard_normal(s.shard_size, dtype=np.float32)
+                crcs[s.name] = crc32_array(piece)
+                w.write(s.name, piece, "float32")
         entries = tuple(TensorEntry(s.name, "parameter", s.name, s.shape, "float32", True, "", s.shard_size,
-                                    s.padding, s.offset, f"rank_{r}.ckpt", s.name) for s in specs)
+                                    s.padding, s.offset, f"rank_{r}.ckpt", s.name, crcs[s.name]) for s in specs)
         SplitInfo("bench", 3, ranks, r, 0, "ckpt", plan.fingerprint(), entries).write(directory / split_info_name(r))
-    (directory / "COMPLETE").write_text("{}")
+    write_marker(directory, run_id="bench", step=0, group_size=ranks)  # with checksums: merge verifies them
     return total, max(int(np.prod(s)) * 4 for _, s in shapes)
 
 
@@ -72,14 +75,18 @@ def main():
     base, _, _ = child_peak("import numpy, mindzero.merge")
     peak, secs, text = child_peak(f"from mindzero.merge import merge_checkpoint; "
                                   f"merge_checkpoint('{out / 'ckpt'}', '{out / 'merged.ckpt'}')")
+    vpeak, vsecs, _ = child_peak(f"from mindzero.merge import verify_checkpoint; "
+                                 f"assert verify_checkpoint('{out / 'ckpt'}')['ok']")
     size = (out / "merged.ckpt").stat().st_size
     res = {"checkpoint_mib": total / 2**20, "ranks": a.ranks, "largest_tensor_mib": largest / 2**20,
            "merged_file_mib": size / 2**20, "merge_peak_rss_mib": peak, "import_only_rss_mib": base,
-           "merge_extra_rss_mib": peak - base, "merge_seconds": secs, "summary": text.strip().splitlines()[-2]}
-    print("| checkpoint | ranks | largest tensor | merge peak RSS | of which above imports | time |")
-    print("|---|---|---|---|---|---|")
+           "merge_extra_rss_mib": peak - base, "merge_seconds": secs,
+           "verify_peak_rss_mib": vpeak, "verify_seconds": vsecs, "summary": text.strip().splitlines()[-2]}
+    print("| checkpoint | ranks | largest tensor | merge peak RSS | of which above imports | merge time (checksums "
+          "verified) | mindzero-verify time | verify peak RSS above imports |")
+    print("|---|---|---|---|---|---|---|---|")
     print(f"| {total / 2**20:.0f} MiB | {a.ranks} | {largest / 2**20:.1f} MiB | {peak:.0f} MiB | "
-          f"{peak - base:.0f} MiB | {secs:.1f} s |")
+          f"{peak - base:.0f} MiB | {secs:.1f} s | {vsecs:.1f} s | {vpeak - base:.0f} MiB |")
     (out / "results.json").write_text(json.dumps(res, indent=1))
 
 

@@ -8,10 +8,16 @@ A checkpoint is a directory written by all ranks together:
 * ``network.<ext>``: stages 0-2, the full network parameters, written once by rank 0;
 * ``params_split_info_<r>.json``: the schema of :mod:`mindzero.split_info`, enough to rebuild
   every full tensor without model code;
-* ``COMPLETE``: written last.
+* ``COMPLETE``: written last: every file's size, the JSON files' CRC-32, its own checksum.
 
-Atomicity: everything is written into ``<dir>.partial``; after a barrier rank 0 writes
-``COMPLETE`` and renames the directory into place. A crash leaves at most a
+Integrity: each rank writes its pieces itself (:mod:`mindzero.ckpt_io`, one tensor at a time) and
+records each piece's CRC-32 in its split info; every reader (:func:`load_checkpoint`, merge, reshard,
+``mindzero-verify``) checks them.
+
+Atomicity: everything is written into ``<dir>.partial``; when every rank has written (a barrier, or
+for an asynchronous save a flag file per rank) rank 0 writes ``COMPLETE`` and renames the directory
+into place. A rank that fails to write (e.g. a full disk) makes every rank raise and the
+``.partial`` directory is removed. A crash leaves at most a
 ``.partial`` directory, which nothing loads; an existing ``<dir>`` is never touched.
 Master shards (stages 1-2) are slices of the saved full parameters and are rebuilt on
 load, except in a ``param_dtype`` run, whose fp32 masters are saved (kind ``master``); accumulation
@@ -19,19 +25,25 @@ buffers are empty at an update step, the only time a save is allowed.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
+import sys
+import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 from mindspore import Tensor
 
-from .ckpt_io import MS_TO_NAME, open_reader
+from .ckpt_io import MS_TO_NAME, crc32_array, open_writer
 from .comm import AllReduceSum, shared_cell
 from .plan import REASON_NOT_OPTIMIZED
 from .shard import GatherFull, shard_array
-from .split_info import COMPLETE, FORMATS, SplitInfo, entry_at, split_info_name, write_atomic
+from .split_info import (COMPLETE, FORMATS, SplitInfo, entry_at, fsync_dir, split_info_name, write_atomic,
+                         write_marker)
 
 
 class CheckpointError(ValueError):
@@ -86,13 +98,21 @@ class _Barrier:
         x = np.array(values, np.float32) if self.rank == 0 else np.zeros(len(values), np.float32)
         return self.cell(Tensor(x)).asnumpy()
 
+    def count(self, flag: bool) -> int:
+        """How many ranks passed ``flag=True`` (every rank contributes; also a barrier)."""
+        return int(round(float(self.cell(Tensor(np.array([float(flag)], np.float32))).asnumpy()[0])))
+
 
 def trainer_state_name(rank: int) -> str:
     return f"trainer_state_{rank}.json"
 
 
-def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="ckpt", trainer_state=None):
+def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="ckpt", trainer_state=None,
+                    async_save=False):
     """Save this train step's full training state into ``ckpt_dir``. Collective: all ranks call it.
+
+    Every tensor is written with its CRC-32 (recorded in the split info); the ``COMPLETE`` marker, written
+    last when every rank's files are durable, records every file's size and checksum.
 
     Args:
         train_net: from :func:`mindzero.prepare_train_network`.
@@ -103,9 +123,17 @@ def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="
         trainer_state: ``None`` or a JSON-serialisable dict (e.g. epoch, data position, this rank's loss
             history), written by every rank as ``trainer_state_<rank>.json`` (world rank) inside the
             checkpoint; :func:`read_trainer_state`.
+        async_save: copy what this rank saves to host memory, return, and write in a background thread
+            (no collective there). Returns an :class:`AsyncSave`; the next save, :func:`wait_for_save`
+            and process exit wait for it. Extra host memory: one copy of this rank's saved tensors
+            (``AsyncSave.host_bytes``).
+
+    Returns:
+        the checkpoint's path (``async_save=True``: an :class:`AsyncSave` handle whose ``wait()`` returns it).
 
     Raises:
-        CheckpointError: bad ``format``, ``ckpt_dir`` exists, or called between micro-batches of an update.
+        CheckpointError: bad ``format``, ``ckpt_dir`` exists, called between micro-batches of an update, or
+            a rank failed to write (e.g. a full disk): every rank raises, nothing complete is left.
     """
     if format not in FORMATS:
         raise CheckpointError(f"format must be one of {FORMATS}, got {format!r}")
@@ -123,6 +151,7 @@ def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="
         raise CheckpointError("save_checkpoint must be called after an update step: "
                               f"{int(train_net.micro_step.asnumpy())} micro-batches taken, "
                               f"gradient_accumulation_steps={info.config.gradient_accumulation_steps}")
+    wait_for_save()  # an earlier asynchronous save completes first
     barrier = _Barrier(info.world)
     partial = final.with_name(final.name + ".partial")
     run_id = "-".join(f"{int(v):06x}" for v in barrier(np.random.randint(0, 1 << 24, size=3)))
@@ -133,22 +162,193 @@ def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="
     entries = [(e, p) for e, p in live_tensors(train_net, format) if not weights_only or e.kind == "parameter"]
     if step is None:
         step = int(train_net.optimizer.global_step.asnumpy().reshape(-1)[0])
-    if info.world.writes_shards:  # with hybrid sharding replica 0 writes; the others hold the same shards
-        _write_rank_files(entries, partial, info.world.rank, format)
-        SplitInfo(run_id, info.config.zero_stage, info.world.group_size, info.world.rank, int(step), format,
-                  info.plan.fingerprint(), tuple(e for e, _ in entries), replicas=info.world.replicas,
-                  replica=info.world.replica).write(partial / split_info_name(info.world.rank))
-    if state_bytes is not None:
-        write_atomic(partial / trainer_state_name(info.world.world_rank), state_bytes)
-    barrier()
-    if info.world.world_rank == 0:
-        marker = {"run_id": run_id, "step": int(step), "group_size": info.world.group_size,
-                  "replicas": info.world.replicas,
-                  "weights_only": bool(weights_only), "files": sorted(os.listdir(partial))}
-        write_atomic(partial / COMPLETE, json.dumps(marker, indent=1).encode())
-        os.replace(partial, final)
+    world = info.world
+    split = SplitInfo(run_id, info.config.zero_stage, world.group_size, world.rank, int(step), format,
+                      info.plan.fingerprint(), tuple(e for e, _ in entries), replicas=world.replicas,
+                      replica=world.replica)
+    marker = {"run_id": run_id, "step": int(step), "group_size": world.group_size, "replicas": world.replicas,
+              "weights_only": bool(weights_only)}
+    job = _SaveJob(partial, final, split if world.writes_shards else None, state_bytes, world.world_rank,
+                   world.world_size, marker)
+    if async_save:
+        job.tensors = [(e, np.array(_host(p), copy=True)) for e, p in job.own(entries)]
+        handle = AsyncSave(job)
+        _PENDING.append(handle)
+        return handle
+    job.tensors = [(e, p) for e, p in job.own(entries)]
+    error = None
+    try:
+        job.write()
+    except Exception as err:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
+        error = err
+    failed = barrier.count(error is not None)
+    if failed:
+        if world.world_rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        barrier()
+        where = f"this rank ({world.world_rank}): {error}" if error is not None else "another rank"
+        raise CheckpointError(f"save to {str(final)!r} failed on {failed} rank(s), including {where}; nothing "
+                              "was completed and earlier checkpoints are untouched") from error
+    if world.world_rank == 0:
+        job.complete()
     barrier()
     return final
+
+
+def _host(p) -> np.ndarray:
+    """A Parameter's values as a host array (bfloat16 as numpy's bfloat16; written by its bytes)."""
+    return p.asnumpy()
+
+
+class _SaveJob:
+    """What one rank writes for one checkpoint: its files (each tensor with its CRC-32), its split info, its
+    trainer state; rank 0 also the marker. Runs in the caller (synchronous save) or in a thread (no
+    MindSpore call there: ``tensors`` are host copies)."""
+
+    def __init__(self, partial, final, split, state_bytes, world_rank, world_size, marker):
+        self.partial, self.final, self.split, self.state_bytes = Path(partial), Path(final), split, state_bytes
+        self.world_rank, self.world_size, self.marker = world_rank, world_size, marker
+        self.tensors = []
+
+    def own(self, entries):
+        """The entries whose pieces this rank writes: its own file, and rank 0 also the shared files (every
+        piece once). With hybrid sharding only replica 0 writes (the others hold the same shards)."""
+        if self.split is None:
+            return []
+        rank = self.split.rank
+        return [(e, p) for e, p in entries if e.file == f"rank_{rank}.{self.split.format}" or rank == 0]
+
+    def write(self) -> None:
+        if self.split is not None:
+            crcs = {}
+            by_file = {}
+            for e, value in self.tensors:
+                by_file.setdefault(e.file, []).append((e, value))
+            for file, items in by_file.items():
+                layout = [(e.key, e.dtype, tuple(value.shape)) for e, value in items]
+                with open_writer(self.partial / file, self.split.format, layout) as writer:
+                    for e, value in items:
+                        array = value if isinstance(value, np.ndarray) else _host(value)
+                        crcs[e.name] = crc32_array(array)
+                        writer.write(e.key, array, e.dtype)
+            # every entry of this rank; a shared piece another rank wrote has its checksum in that rank's entry
+            self.split = replace(self.split, tensors=tuple(replace(e, crc32=crcs.get(e.name))
+                                                           for e in self.split.tensors))
+            self.split.write(self.partial / split_info_name(self.split.rank))
+        if self.state_bytes is not None:
+            write_atomic(self.partial / trainer_state_name(self.world_rank), self.state_bytes)
+
+    def complete(self) -> None:
+        """Rank 0, once every rank's files are durable: the marker, then the rename into place."""
+        write_marker(self.partial, **self.marker)
+        os.replace(self.partial, self.final)
+        fsync_dir(self.final.parent)
+
+    def run_async(self, timeout: float) -> None:
+        """The background part: write, leave a flag (``.written_<rank>`` or ``.failed_<rank>``); rank 0 then
+        waits for every rank's flag and completes the checkpoint, or removes it if a rank failed. Ranks
+        agree through the (shared) checkpoint directory, not through collectives."""
+        try:
+            self.write()
+        except Exception as err:
+            write_atomic(self.partial / f".failed_{self.world_rank}", f"{type(err).__name__}: {err}".encode())
+            raise
+        write_atomic(self.partial / f".written_{self.world_rank}", b"ok")
+        deadline = time.time() + timeout
+        if self.world_rank != 0:  # done when rank 0 has renamed the directory into place (or removed it)
+            while not (self.final / COMPLETE).is_file():
+                if not self.partial.exists() and not (self.final / COMPLETE).is_file():
+                    time.sleep(0.05)
+                    if not (self.final / COMPLETE).is_file():
+                        raise CheckpointError(f"{self.final}: another rank failed to write its part; the save "
+                                              "was removed")
+                if time.time() > deadline:
+                    raise CheckpointError(f"{self.final}: rank 0 did not complete the checkpoint within "
+                                          f"{timeout:.0f}s")
+                time.sleep(0.05)
+            return
+        while True:
+            failed = sorted(self.partial.glob(".failed_*"))
+            if failed:
+                reasons = "; ".join(f"rank {p.name.split('_')[1]}: {p.read_text()}" for p in failed)
+                shutil.rmtree(self.partial, ignore_errors=True)
+                raise CheckpointError(f"asynchronous save to {str(self.final)!r} failed ({reasons}); nothing was "
+                                      "completed and earlier checkpoints are untouched")
+            done = {p.name for p in self.partial.glob(".written_*")}
+            if len(done) == self.world_size:
+                break
+            if time.time() > deadline:
+                missing = sorted(set(range(self.world_size)) - {int(n.split("_")[1]) for n in done})
+                shutil.rmtree(self.partial, ignore_errors=True)
+                raise CheckpointError(f"asynchronous save to {str(self.final)!r}: ranks {missing} did not finish "
+                                      f"writing within {timeout:.0f}s (killed?); the save was removed")
+            time.sleep(0.05)
+        for name in done:
+            (self.partial / name).unlink()
+        self.complete()
+
+
+ASYNC_TIMEOUT = 1800.0  # seconds an asynchronous save waits for the other ranks' files
+
+
+class AsyncSave:
+    """A save running in the background (:func:`save_checkpoint` with ``async_save=True``).
+
+    ``wait()`` blocks until the checkpoint is complete (on every rank: until rank 0 has written the
+    marker and renamed it into place) and returns its path, or raises :class:`CheckpointError`.
+    ``host_bytes``: the host memory held by the copies until the write ends.
+    """
+
+    def __init__(self, job: _SaveJob, timeout: float = ASYNC_TIMEOUT):
+        self.path = job.final
+        self.host_bytes = sum(int(v.nbytes) for _, v in job.tensors)
+        self.error = None
+        self._job = job
+        self._thread = threading.Thread(target=self._run, args=(timeout,), name="mindzero-async-save", daemon=True)
+        self._thread.start()
+
+    def _run(self, timeout):
+        try:
+            self._job.run_async(timeout)
+        except BaseException as err:  # noqa: BLE001 - reported by wait()
+            self.error = err
+        finally:
+            self._job.tensors = []  # free the host copies
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout=None):
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise CheckpointError(f"{self.path}: asynchronous save still running after {timeout}s")
+        if self in _PENDING:
+            _PENDING.remove(self)
+        if self.error is not None:
+            if isinstance(self.error, CheckpointError):
+                raise self.error
+            raise CheckpointError(f"asynchronous save to {str(self.path)!r} failed on this rank: {self.error}; nothing "
+                                  "was completed and earlier checkpoints are untouched") from self.error
+        return self.path
+
+
+_PENDING = []
+
+
+def wait_for_save():
+    """Wait for this process's pending asynchronous saves (oldest first); raises the first failure."""
+    while _PENDING:
+        _PENDING[0].wait()
+
+
+def _wait_at_exit():
+    try:
+        wait_for_save()
+    except CheckpointError as err:
+        print(f"mindzero: {err}", file=sys.stderr, flush=True)
+
+
+atexit.register(_wait_at_exit)
 
 
 def read_trainer_state(ckpt_dir, rank: int = 0) -> dict:
@@ -183,59 +383,38 @@ def latest_checkpoint(root, prefix: str = "step_"):
     return done[-1] if done else None
 
 
-def _write_rank_files(entries, directory: Path, rank: int, fmt: str) -> None:
-    """This rank writes its own file, and rank 0 also the shared ones (every file once)."""
-    import mindspore as ms
-
-    by_file = {}
-    for e, p in entries:
-        if e.file == f"rank_{rank}.{fmt}" or rank == 0:
-            by_file.setdefault(e.file, []).append((e, p))
-    for file, items in by_file.items():
-        path = directory / file
-        ms.save_checkpoint([{"name": e.key, "data": p} for e, p in items], str(path), format=fmt)
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-
-
 def load_checkpoint(train_net, ckpt_dir):
-    """Resume ``train_net`` from ``ckpt_dir`` saved with the same world size and stage (bit-identical).
+    """Resume ``train_net`` from ``ckpt_dir``, saved at any world size, stage or hybrid layout.
 
-    Every rank calls it (no communication). For another world size or stage, convert the
-    checkpoint first with ``mindzero-reshard``.
+    Every rank calls it (no communication). The same layout restores bit for bit; another one restores
+    exactly what ``mindzero-reshard`` to this layout followed by a load would: each rank reads only the
+    stored pieces that overlap its own (about one tensor of memory at most). Every piece read is checked
+    against its CRC-32 and the marker's file list first. A checkpoint of a ``param_dtype`` run loaded by a
+    run without one restores the fp32 master values into the parameters; the other way round the masters
+    are taken from the saved parameters.
+
+    Returns:
+        rank 0's :class:`mindzero.split_info.SplitInfo` of the checkpoint (``.step``, ``.stage``, ...).
 
     Raises:
-        CheckpointError: an incomplete or foreign checkpoint, another stage or group size, or
-            parameter names or shapes that differ from the network's (the message says which).
+        CheckpointError: an incomplete, corrupted or foreign checkpoint, or parameter names or shapes
+            that differ from the network's (the message says which). Everything is read and verified
+            before the first parameter changes, so a failed load leaves the train step as it was.
     """
     info = train_net.zero_info
-    ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / COMPLETE).is_file():
-        raise CheckpointError(f"{ckpt_dir}: not a complete mindzero checkpoint (no {COMPLETE} marker; "
-                              "an interrupted save leaves only a .partial directory)")
-    saved = SplitInfo.read(ckpt_dir / split_info_name(info.world.rank))
-    for field, want in (("group_size", info.world.group_size), ("stage", info.config.zero_stage)):
-        if getattr(saved, field) != want:
-            raise CheckpointError(f"{ckpt_dir}: saved with {field}={getattr(saved, field)}, this run has {want}; "
-                                  f"convert it with: mindzero-reshard {ckpt_dir} -o OUT --world-size "
-                                  f"{info.world.group_size} --stage {info.config.zero_stage}")
-    live = live_tensors(train_net, saved.format)
-    _check_same_parameters(ckpt_dir, saved, live)
-    by_name = saved.by_name()
-    readers = {}
+    error, values, saved = None, [], None
+    try:
+        values, saved = _read_for_load(train_net, ckpt_dir)
+    except CheckpointError as err:
+        error = err
+    failed = _Barrier(info.world).count(error is not None)  # every rank loads, or none does
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"{ckpt_dir}: {failed} other rank(s) could not load their part (their logs say "
+                              "why); nothing was loaded")
     loaded = set()
-    for entry, p in live:
-        if entry.name not in by_name:
-            if entry.kind == "parameter":
-                raise CheckpointError(f"{ckpt_dir}: has no tensor {entry.name!r}")
-            continue  # weights-only checkpoint: optimizer state stays as it is
-        src = by_name[entry.name]
-        if src.file not in readers:
-            readers[src.file] = open_reader(ckpt_dir / src.file)
-        value = readers[src.file].read(src.key)
-        if tuple(value.shape) != tuple(p.shape):
-            raise CheckpointError(f"{ckpt_dir / src.file}: tensor {src.key!r} has shape {value.shape}, "
-                                  f"the network's {entry.name!r} has {tuple(p.shape)}")
+    for entry, p, value in values:
         p.set_data(Tensor(value, p.dtype))
         loaded.add(entry.name)
     for pair in info.master_pairs:  # masters the checkpoint does not hold: from the loaded parameters
@@ -249,6 +428,37 @@ def load_checkpoint(train_net, ckpt_dir):
     for buf in info.accum_buffers:
         buf.set_data(Tensor(np.zeros(buf.shape, np.float32), buf.dtype))
     return saved
+
+
+def _read_for_load(train_net, ckpt_dir) -> list:
+    """``([(entry, Parameter, value)], rank 0's split info)``: everything this rank loads, read and verified."""
+    from .merge import Source
+
+    info = train_net.zero_info
+    src = Source(ckpt_dir, check_pieces=False, error=CheckpointError)
+    ckpt_dir = src.dir
+    live = live_tensors(train_net, src.ref.format)
+    _check_same_parameters(ckpt_dir, src.ref, live)
+    masters = {t.param: t.name for t in src.ref.tensors if t.kind == "master"}
+    params = {t.name for t in src.ref.tensors if t.kind == "parameter"}
+    values = []  # read and verify everything before changing anything
+    for entry, p in live:
+        name = entry.name
+        if entry.kind == "parameter" and not info.precision.enabled and name in masters:
+            name = masters[name]  # a param_dtype checkpoint into a full-precision run: the fp32 masters
+        elif entry.kind == "master" and not src.has(name) and entry.param in params:
+            name = entry.param  # a full-precision checkpoint into a param_dtype run: masters from its values
+        if not src.has(name):
+            if entry.kind == "parameter":
+                raise CheckpointError(f"{ckpt_dir}: has no tensor {name!r}")
+            continue  # weights-only checkpoint: optimizer state stays as it is
+        target = replace(entry, name=name, dtype=src.entry(name).dtype)
+        value = src.piece_for(target, info.world.rank)
+        if value.size != int(np.prod(p.shape)):
+            raise CheckpointError(f"{ckpt_dir}: tensor {name!r} gives shape {value.shape}, the network's "
+                                  f"{entry.name!r} has {tuple(p.shape)}")
+        values.append((entry, p, value.reshape(p.shape)))
+    return values, src.ref
 
 
 def _check_same_parameters(ckpt_dir, saved: SplitInfo, live) -> None:

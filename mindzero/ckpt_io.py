@@ -22,6 +22,7 @@ import json
 import math
 import os
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -243,6 +244,11 @@ class SafetensorsReader:
             f.seek(self.base + begin)
             raw = f.read(end - begin)
         return np.frombuffer(raw, dtype=np_dtype(dtype)).reshape(shape).copy()
+
+
+def crc32_array(array: np.ndarray) -> int:
+    """CRC-32 of an array's raw bytes in C order (what a writer stores for it)."""
+    return zlib.crc32(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))) & 0xFFFFFFFF
 
 
 def open_reader(path):

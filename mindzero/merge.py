@@ -13,18 +13,18 @@ Peak memory is about one full tensor plus file buffers.
 """
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from .ckpt_io import CheckpointFileError, np_dtype, open_reader, open_writer
+from .ckpt_io import CheckpointFileError, crc32_array, np_dtype, open_reader, open_writer
 from .plan import REASON_NOT_OPTIMIZED, REASON_USER, ParamInfo, PartitionPlan
-from .split_info import (COMPLETE, FORMATS, SplitInfo, SplitInfoError, TensorEntry, entry_at, read_all,
-                         split_info_name, write_atomic)
+from .split_info import (FORMATS, SplitInfo, SplitInfoError, TensorEntry, entry_at, read_all, read_marker,
+                         split_info_name, write_marker)
 
 
 class MergeError(ValueError):
@@ -32,56 +32,130 @@ class MergeError(ValueError):
 
 
 class Source:
-    """A validated checkpoint directory: its ranks' split infos and a reader per file."""
+    """A validated checkpoint directory: its marker, its ranks' split infos and a reader per file.
 
-    def __init__(self, ckpt_dir):
+    Validation before anything is read: the ``COMPLETE`` marker's checksum and every file it lists (size,
+    JSON checksums), every rank's split info present and agreeing. With ``check_pieces`` (merge, reshard,
+    verify) every piece's dtype and shape are checked up front; :func:`mindzero.load_checkpoint` checks only
+    the pieces it reads. Every piece read is verified against its CRC-32 (``format_version`` 2).
+    """
+
+    def __init__(self, ckpt_dir, check_pieces=True, error=None):
+        self.error = error or MergeError
         self.dir = Path(ckpt_dir)
         if not self.dir.is_dir():
-            raise MergeError(f"{self.dir}: checkpoint directory does not exist")
-        if not (self.dir / COMPLETE).is_file():
-            raise MergeError(f"{self.dir}: incomplete checkpoint (no {COMPLETE} marker: the save was interrupted)")
+            raise self.error(f"{self.dir}: checkpoint directory does not exist")
         try:
+            self.marker = read_marker(self.dir)
             self.infos = read_all(self.dir)
         except SplitInfoError as err:
-            raise MergeError(str(err)) from None
-        self.readers = {}
-        try:
-            for info in self.infos:
-                for t in info.tensors:
-                    self._check_piece(t)
-        except CheckpointFileError as err:
-            raise MergeError(str(err)) from None
+            raise self.error(str(err)) from None
         self.ref = self.infos[0]
         self.group_size = self.ref.group_size
+        self.verified = self.marker["verified"] and self.ref.format_version >= 2
+        self.crcs = {}  # (file, key) -> CRC-32 recorded by the rank that wrote the piece
+        for info in self.infos:
+            for t in info.tensors:
+                if t.crc32 is not None:
+                    self.crcs[(t.file, t.key)] = t.crc32
+        self.readers = {}
+        self._by_name = [info.by_name() for info in self.infos]
+        if check_pieces:
+            for info in self.infos:
+                for t in info.tensors:
+                    self.check_piece(t)
 
     def _reader(self, file):
         if file not in self.readers:
-            self.readers[file] = open_reader(self.dir / file)
+            try:
+                self.readers[file] = open_reader(self.dir / file)
+            except CheckpointFileError as err:
+                raise self.error(str(err)) from None
         return self.readers[file]
 
-    def _check_piece(self, t: TensorEntry) -> None:
-        dtype, shape = self._reader(t.file).meta(t.key)
+    def check_piece(self, t: TensorEntry) -> None:
+        try:
+            dtype, shape = self._reader(t.file).meta(t.key)
+        except CheckpointFileError as err:
+            raise self.error(str(err)) from None
         want = (t.shard_size,) if t.sharded else tuple(t.shape)
         if dtype != t.dtype or tuple(shape) != want:
-            raise MergeError(f"{self.dir / t.file}: tensor {t.key!r} is {dtype}{tuple(shape)}, the split info "
+            raise self.error(f"{self.dir / t.file}: tensor {t.key!r} is {dtype}{tuple(shape)}, the split info "
                              f"says {t.dtype}{want}")
+        if self.verified and (t.file, t.key) not in self.crcs:
+            raise self.error(f"{self.dir}: no rank's split info records a checksum for tensor {t.key!r} of "
+                             f"{t.file}")
+
+    def read_piece(self, t: TensorEntry) -> np.ndarray:
+        """One stored piece, as written (a shard with its padding, or a whole tensor), checksum verified."""
+        self.check_piece(t)
+        try:
+            value = self._reader(t.file).read(t.key)
+        except CheckpointFileError as err:
+            raise self.error(str(err)) from None
+        want = self.crcs.get((t.file, t.key))
+        if self.verified:
+            got = crc32_array(value)
+            if got != want:
+                raise self.error(f"{self.dir / t.file}: tensor {t.key!r} fails its checksum: CRC-32 {got}, the "
+                                 f"split info recorded {want} (the file was altered or damaged)")
+        return value
+
+    def entry(self, name: str, rank: int = 0) -> TensorEntry:
+        if name not in self._by_name[rank]:
+            raise self.error(f"{self.dir}: has no tensor {name!r}")
+        return self._by_name[rank][name]
+
+    def has(self, name: str) -> bool:
+        return name in self._by_name[0]
+
+    def window(self, name: str, start: int, count: int) -> np.ndarray:
+        """Elements ``[start, start + count)`` of the flattened full tensor ``name``, reading only the stored
+        pieces that overlap them (each whole, to verify it): about one tensor of memory at most."""
+        first = self.entry(name)
+        out = np.empty(count, dtype=np_dtype(first.dtype))
+        if not first.sharded:
+            out[:] = self.read_piece(first).reshape(-1)[start:start + count]
+            return out
+        for by_name in self._by_name:
+            t = by_name[name]
+            lo, hi = max(start, t.offset), min(start + count, t.offset + t.valid)
+            if lo < hi:
+                out[lo - start:hi - start] = self.read_piece(t)[lo - t.offset:hi - t.offset]
+        return out
 
     def full(self, name: str) -> np.ndarray:
         """The full tensor ``name``: rank 0's copy, or the shards of every rank joined and unpadded."""
-        first = self.ref.by_name()[name]
-        if not first.sharded:
-            return self._reader(first.file).read(first.key).reshape(first.shape)
-        out = np.empty(first.numel, dtype=np_dtype(first.dtype))
-        for info in self.infos:
-            t = info.by_name()[name]
-            if t.valid:
-                out[t.offset:t.offset + t.valid] = self._reader(t.file).read(t.key)[:t.valid]
-        return out.reshape(first.shape)
+        first = self.entry(name)
+        return self.window(name, 0, first.numel).reshape(first.shape)
 
     def rank_piece(self, name: str, rank: int) -> np.ndarray:
         """Rank ``rank``'s own copy of a tensor stored per rank (e.g. BatchNorm statistics)."""
-        t = self.infos[rank].by_name()[name]
-        return self._reader(t.file).read(t.key).reshape(t.shape)
+        t = self.entry(name, rank)
+        return self.read_piece(t).reshape(t.shape)
+
+    def piece_for(self, target: TensorEntry, rank: int, full=None) -> np.ndarray:
+        """What rank ``rank`` of another layout stores for ``target`` (an entry of that layout): the one rule
+        behind both :func:`reshard_checkpoint` and loading at another world size or stage
+        (:func:`mindzero.load_checkpoint`). The same layout reads the stored piece as it is; a shard is
+        cut from the full tensor and zero-padded; a per-rank buffer (e.g. BatchNorm statistics) comes from
+        old rank ``rank``, or rank 0 when the old run had fewer ranks. ``full``: the full tensor if the caller
+        already holds it."""
+        if rank < self.group_size:
+            old = self.entry(target.name, rank)
+            if ((old.sharded, old.offset, old.shard_size) == (target.sharded, target.offset, target.shard_size)
+                    and old.file.startswith("rank_") == target.file.startswith("rank_")):
+                return self.read_piece(old).reshape((old.shard_size,) if old.sharded else old.shape)
+        if target.kind == "parameter" and target.replicated_reason == REASON_NOT_OPTIMIZED:
+            return self.rank_piece(target.name, rank if rank < self.group_size else 0)
+        if not target.sharded:
+            return full if full is not None else self.full(target.name)
+        piece = np.zeros(target.shard_size, dtype=np_dtype(target.dtype))
+        if full is not None:
+            piece[:target.valid] = full.reshape(-1)[target.offset:target.offset + target.valid]
+        else:
+            piece[:target.valid] = self.window(target.name, target.offset, target.valid)
+        return piece
 
 
 class _Progress:
@@ -110,9 +184,13 @@ class _Progress:
             self.last = time.time()
             self.log(f"  {self.n}/{self.total} tensors, {self.bytes / 2**20:.1f}/{self.total_bytes / 2**20:.1f} MiB")
 
-    def summary(self, what, out):
+    def close(self):
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+
+    def summary(self, what, out):
+        self.close()
         secs = time.time() - self.start
         text = f"{what} {self.n} tensors, {self.bytes / 2**20:.1f} MiB in {secs:.1f}s -> {out}"
         if self.log:
@@ -239,23 +317,20 @@ def _write_resharded(src: Source, infos: list, partial: Path, fmt: str, log) -> 
     writers = {f: open_writer(partial / f, fmt, list(lay.values())) for f, lay in layouts.items()}
     progress = _Progress(len(src.ref.tensors), sum(t.numel * np_dtype(t.dtype).itemsize for t in src.ref.tensors),
                          log, "reshard")
+    entries = [list(info.tensors) for info in infos]  # gain the CRC-32 of what each rank's entry wrote
     try:
         for i, t in enumerate(src.ref.tensors):
-            full = None if t.kind == "parameter" and t.replicated_reason == REASON_NOT_OPTIMIZED else src.full(t.name)
+            per_rank = t.kind == "parameter" and t.replicated_reason == REASON_NOT_OPTIMIZED
+            full = None if per_rank else src.full(t.name)
             written = set()
             for info in infos:
                 new = info.tensors[i]
                 if (new.file, new.name) in written:
                     continue
                 written.add((new.file, new.name))
-                value = full if full is not None else src.rank_piece(t.name, info.rank if info.rank < src.group_size
-                                                                     else 0)
-                flat = value.reshape(-1)
-                if new.sharded:
-                    piece = np.zeros(new.shard_size, flat.dtype)
-                    piece[:new.valid] = flat[new.offset:new.offset + new.valid]
-                    value = piece
+                value = src.piece_for(new, info.rank, full=full)
                 writers[new.file].write(new.name, value, new.dtype)
+                entries[info.rank][i] = replace(new, crc32=crc32_array(value))
             progress.step(t.numel * np_dtype(t.dtype).itemsize)
         for w in writers.values():
             w.commit()
@@ -264,11 +339,63 @@ def _write_resharded(src: Source, infos: list, partial: Path, fmt: str, log) -> 
             w.abort()
         raise
     for info in infos:
-        info.write(partial / split_info_name(info.rank))
-    marker = {"run_id": infos[0].run_id, "step": infos[0].step, "group_size": len(infos),
-              "resharded_from": str(src.dir), "files": sorted(p.name for p in partial.iterdir())}
-    write_atomic(partial / COMPLETE, json.dumps(marker, indent=1).encode())
+        replace(info, tensors=tuple(entries[info.rank])).write(partial / split_info_name(info.rank))
+    write_marker(partial, run_id=infos[0].run_id, step=infos[0].step, group_size=len(infos),
+                 resharded_from=str(src.dir))
     progress.summary(f"resharded to {len(infos)} ranks, stage {infos[0].stage}:", partial)
+
+
+def verify_checkpoint(ckpt_dir, log=print) -> dict:
+    """Check a whole checkpoint: the marker (its checksum, every file's size, the JSON files' checksums), every
+    rank's split info and their agreement, and every stored piece (dtype, shape, CRC-32), reading each
+    piece once. Problems with single pieces are collected, not stopped at.
+
+    Returns:
+        ``{"ok", "problems", "ranks", "stage", "step", "tensors", "bytes", "files", "checksums"}``;
+        ``checksums`` is False for a version-1 checkpoint (written before checksums: structure only).
+    """
+    problems, pieces, nbytes = [], 0, 0
+    report = {"ok": False, "problems": problems, "ranks": 0, "stage": None, "step": None, "tensors": 0,
+              "bytes": 0, "files": 0, "checksums": False}
+    try:
+        src = Source(ckpt_dir, check_pieces=False)
+    except MergeError as err:
+        problems.append(str(err))
+        if log:
+            log(f"FAILED {ckpt_dir}: {err}")
+        return report
+    seen = {}
+    for info in src.infos:
+        for t in info.tensors:
+            seen.setdefault((t.file, t.key), t)
+    progress = _Progress(len(seen), sum(t.shard_size * np_dtype(t.dtype).itemsize for t in seen.values()), log,
+                         "verify")
+    for t in seen.values():
+        try:
+            value = src.read_piece(t)
+            pieces += 1
+            nbytes += value.nbytes
+        except MergeError as err:
+            problems.append(str(err))
+        progress.step(t.shard_size * np_dtype(t.dtype).itemsize)
+    listed = set(src.marker.get("files") or ())
+    extra = sorted(p.name for p in src.dir.iterdir() if p.is_file() and listed and p.name not in listed
+                   and p.name != "COMPLETE")
+    report.update(ok=not problems, ranks=src.group_size, stage=src.ref.stage, step=src.ref.step, tensors=pieces,
+                  bytes=nbytes, files=len(listed) + 1 if listed else len(list(src.dir.iterdir())),
+                  checksums=src.verified, extra_files=extra)
+    progress.close()
+    if log:
+        for problem in problems:
+            log(f"  problem: {problem}")
+        what = ("every checksum matches" if src.verified else
+                f"format_version {src.ref.format_version}: no checksums recorded, structure and sizes only")
+        if extra:
+            log(f"  note: files not part of the checkpoint: {extra[:5]}")
+        head = "FAILED" if problems else "ok"
+        log(f"{head} {src.dir}: {src.group_size} ranks, stage {src.ref.stage}, step {src.ref.step}, {pieces}/"
+            f"{len(seen)} pieces, {nbytes / 2**20:.1f} MiB; " + (f"{len(problems)} problem(s)" if problems else what))
+    return report
 
 
 def convert_checkpoints(src_checkpoint, src_param_split_info_json, group_size, format="ckpt"):
@@ -346,3 +473,14 @@ def main_reshard(argv=None):
         print(f"mindzero-reshard: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def main_verify(argv=None):
+    """``mindzero-verify CKPT_DIR [CKPT_DIR ...]``: exit status 0 if every checkpoint is whole, 1 otherwise."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="mindzero-verify", description="Verify mindzero checkpoints: marker, split "
+                                 "infos, every tensor's checksum, cross-rank consistency.")
+    ap.add_argument("ckpt_dir", nargs="+")
+    a = ap.parse_args(argv)
+    return 0 if all([verify_checkpoint(d)["ok"] for d in a.ckpt_dir]) else 1

@@ -2,12 +2,12 @@
 
 One file per rank, ``params_split_info_<rank>.json``, in the checkpoint directory::
 
-    {"format_version": 1, "run_id": "...", "stage": 3, "group_size": 2, "rank": 0, "step": 10,
+    {"format_version": 2, "run_id": "...", "stage": 3, "group_size": 2, "rank": 0, "step": 10,
      "format": "ckpt", "plan_fingerprint": "...", "replicas": 1, "replica": 0,
      "tensors": [{"name": "dense.weight", "kind": "parameter", "param": "dense.weight",
                   "shape": [7, 15], "dtype": "float32", "sharded": true, "replicated_reason": "",
                   "shard_size": 53, "padding": 1, "offset": 0, "file": "rank_0.ckpt",
-                  "key": "dense.weight"}, ...]}
+                  "key": "dense.weight", "crc32": 2312315193}, ...]}
 
 Per tensor: ``name`` (its name in a merged checkpoint), ``kind`` (``parameter``,
 ``optimizer_state``, ``master`` (the fp32 master values of a ``param_dtype`` run,
@@ -35,10 +35,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import zlib
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 from pathlib import Path
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: no checksums (read without verification)
 COMPLETE = "COMPLETE"  # the marker file written last into a finished checkpoint directory
 KINDS = ("parameter", "optimizer_state", "master", "ema", "scalar")
 FORMATS = ("ckpt", "safetensors")
@@ -62,6 +65,7 @@ class TensorEntry:
     offset: int
     file: str
     key: str
+    crc32: Optional[int] = None  # CRC-32 of the piece's bytes (format_version 2; None: written by another rank)
 
     @property
     def numel(self) -> int:
@@ -115,9 +119,9 @@ class SplitInfo:
         if not isinstance(raw, dict):
             raise SplitInfoError(f"{path}: expected a JSON object, got {type(raw).__name__}")
         version = raw.get("format_version")
-        if version != FORMAT_VERSION:
-            raise SplitInfoError(f"{path}: format_version must be {FORMAT_VERSION}, got {version!r} "
-                                 "(written by another mindzero version?)")
+        if version not in READABLE_VERSIONS:
+            raise SplitInfoError(f"{path}: format_version must be one of {READABLE_VERSIONS}, got {version!r} "
+                                 "(written by a newer mindzero?)")
         expect = {"run_id": str, "stage": int, "group_size": int, "rank": int, "step": int, "format": str,
                   "plan_fingerprint": str, "tensors": list}
         for key, typ in expect.items():
@@ -133,6 +137,10 @@ class SplitInfo:
                 entry = TensorEntry(**{**t, "shape": tuple(t["shape"])})
             except (TypeError, KeyError) as err:
                 raise SplitInfoError(f"{path}: tensors[{i}] is malformed ({err})") from None
+            if entry.crc32 is not None and (isinstance(entry.crc32, bool) or not isinstance(entry.crc32, int)
+                                            or not 0 <= entry.crc32 < 1 << 32):
+                raise SplitInfoError(f"{path}: tensors[{i}] ({entry.name}) has crc32 {entry.crc32!r}, expected an "
+                                     "unsigned 32-bit int or null")
             if entry.kind not in KINDS:
                 raise SplitInfoError(f"{path}: tensors[{i}] ({entry.name}) has kind {entry.kind!r}, "
                                      f"expected one of {KINDS}")
@@ -217,6 +225,78 @@ def check_consistent(infos, paths) -> None:
                                  f"{extra[:3]}, different {changed[:3]})")
 
 
+def crc32_bytes(data) -> int:
+    """CRC-32 of a bytes-like object (zlib's, as in zip and PNG)."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def _marker_checksum(marker: dict) -> int:
+    body = {k: v for k, v in marker.items() if k != "checksum"}
+    return crc32_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def write_marker(directory: Path, **fields) -> dict:
+    """Write the ``COMPLETE`` marker of a finished checkpoint directory (the one writer, used by save and
+    reshard): ``fields`` plus every other file's size, the CRC-32 of each JSON file, and the marker's own
+    checksum. Call it when every file is durable; it is written atomically (fsync, rename)."""
+    directory = Path(directory)
+    files = {}
+    for p in sorted(directory.iterdir()):
+        if p.name == COMPLETE or not p.is_file():
+            continue
+        entry = {"bytes": p.stat().st_size}
+        if p.suffix == ".json":
+            entry["crc32"] = crc32_bytes(p.read_bytes())
+        files[p.name] = entry
+    marker = {**fields, "format_version": FORMAT_VERSION, "files": files}
+    marker["checksum"] = _marker_checksum(marker)
+    write_atomic(directory / COMPLETE, json.dumps(marker, indent=1).encode())
+    return marker
+
+
+def read_marker(ckpt_dir) -> dict:
+    """Read and check the ``COMPLETE`` marker: its own checksum, then every file it lists (present, of the
+    recorded size; JSON files by CRC-32). A marker of a version-1 checkpoint has no checksums: returned with
+    ``"verified": False``.
+
+    Raises:
+        SplitInfoError: no marker (an interrupted save), a corrupted marker, or a file that is missing,
+            truncated or altered (naming it and both values).
+    """
+    path = Path(ckpt_dir) / COMPLETE
+    if not path.is_file():
+        raise SplitInfoError(f"{ckpt_dir}: incomplete checkpoint (no {COMPLETE} marker: the save was interrupted "
+                             "or this is not a mindzero checkpoint)")
+    try:
+        marker = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise SplitInfoError(f"{path}: corrupted marker (not valid JSON: {err})") from None
+    if not isinstance(marker, dict):
+        raise SplitInfoError(f"{path}: corrupted marker (expected a JSON object)")
+    if "format_version" not in marker:  # version 1
+        return {**marker, "verified": False}
+    if marker.get("checksum") != _marker_checksum(marker):
+        raise SplitInfoError(f"{path}: corrupted marker (checksum {marker.get('checksum')!r}, its content gives "
+                             f"{_marker_checksum(marker)})")
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        raise SplitInfoError(f"{path}: corrupted marker (no file list)")
+    for name, want in files.items():
+        p = Path(ckpt_dir) / name
+        if not p.is_file():
+            raise SplitInfoError(f"{p}: missing (the {COMPLETE} marker lists it)")
+        size = p.stat().st_size
+        if size != want.get("bytes"):
+            raise SplitInfoError(f"{p}: {size} bytes, the {COMPLETE} marker recorded {want.get('bytes')} "
+                                 "(truncated or replaced)")
+        if "crc32" in want:
+            got = crc32_bytes(p.read_bytes())
+            if got != want["crc32"]:
+                raise SplitInfoError(f"{p}: checksum mismatch: CRC-32 {got}, the {COMPLETE} marker recorded "
+                                     f"{want['crc32']} (the file was altered)")
+    return {**marker, "verified": True}
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same directory, fsync, rename."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -225,3 +305,18 @@ def write_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory) -> None:
+    """Make renames inside ``directory`` durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

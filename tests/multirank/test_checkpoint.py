@@ -34,6 +34,7 @@ def runs(tmp_path_factory):
             dict(name="awk2-s1", model="awkward", stage=1, ckpt=str(ck / "awk2-s1"))]
     two += [dict(name=f"mp-mixed-{s}", model="mixed", stage=s, ckpt=str(ck / f"mp-mixed-{s}"), param_dtype="float16")
             for s in (1, 3)]
+    two += [dict(name="mixed-3-async", model="mixed", stage=3, ckpt=str(ck / "mixed-3-async"), **{"async": True})]
     four = [dict(name="awk4-s3", model="awkward", stage=3, ckpt=str(ck / "awk4-s3"))]
     launch(2, root / "train2", "train", two)
     launch(4, root / "train4", "train", four)
@@ -41,13 +42,20 @@ def runs(tmp_path_factory):
     mindzero.reshard_checkpoint(ck / "awk2-s1", ck / "awk2-to-4-s3", 4, stage=3, log=None)
     resume2 = [dict(s) for s in two[:5] + two[6:]] + [dict(name="awk4-to-2", model="awkward", stage=2,
                                                           ckpt=str(ck / "awk4-to-2-s2"))]
+    # resume anywhere: load_checkpoint straight from another world size, stage or precision
+    resume2 += [dict(name="awk4-direct-2", model="awkward", stage=2, ckpt=str(ck / "awk4-s3")),
+                dict(name="mp3-into-fp32", model="mixed", stage=3, ckpt=str(ck / "mp-mixed-3")),
+                dict(name="fp32-into-mp1", model="mixed", stage=1, ckpt=str(ck / "mixed-1"), param_dtype="float16")]
     launch(2, root / "resume2", "resume", resume2)
     launch(4, root / "resume4", "resume", [dict(name="awk2-to-4", model="awkward", stage=3,
-                                                ckpt=str(ck / "awk2-to-4-s3"))])
+                                                ckpt=str(ck / "awk2-to-4-s3")),
+                                           dict(name="awk2-direct-4", model="awkward", stage=3,
+                                                ckpt=str(ck / "awk2-s1"))])
     return root
 
 
-@pytest.mark.parametrize("name", [f"mixed-{s}" for s in STAGES] + ["resnet-3", "mp-mixed-1", "mp-mixed-3"])
+@pytest.mark.parametrize("name", [f"mixed-{s}" for s in STAGES] + ["resnet-3", "mp-mixed-1", "mp-mixed-3",
+                                                                   "mixed-3-async"])
 def test_resume_in_fresh_processes(runs, name):
     """Fresh processes restore the saved state bit for bit, and continue exactly as the run that never
     stopped. Exception, measured: the BatchNorm/Conv2d net at 2 ranks differs by 1 ulp in its 3rd resumed
@@ -136,6 +144,36 @@ def test_reshard_continues_like_the_original_world(runs, src, dst, n_src, n_dst)
         assert err <= 1e-5, f"{k}: {err:.2e}"
     # the continuation really trained: parameters moved after the save
     assert any(np.max(np.abs(ref["param/" + k[6:]] - ref[k])) > 1e-4 for k in ref if k.startswith("saved/"))
+
+
+@pytest.mark.parametrize("direct, resharded, n", [("awk4-direct-2", "awk4-to-2", 2), ("awk2-direct-4", "awk2-to-4", 4)])
+def test_load_from_another_world_size_equals_reshard_then_load(runs, direct, resharded, n):
+    """load_checkpoint straight from the 4-rank stage-3 checkpoint into 2 ranks at stage 2 (and 2-rank stage 1
+    into 4 ranks at stage 3) restores and continues exactly as mindzero-reshard followed by a load."""
+    out = runs / ("resume2" if n == 2 else "resume4")
+    for r in range(n):
+        a, b = load(out, r, direct), load(out, r, resharded)
+        assert sorted(a) == sorted(b)
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=f"{direct} rank {r} {k}")
+
+
+def test_load_across_precision_policies(runs):
+    """A param_dtype=float16 checkpoint loaded by a full-precision run gets the fp32 master values; a
+    full-precision checkpoint loaded by a param_dtype run gets its values as the masters (not rounded
+    through float16)."""
+    mp3 = load(runs / "train2", 0, "mp-mixed-3")
+    fp1 = load(runs / "train2", 0, "mixed-1")
+    for r in range(2):
+        into_fp32 = load(runs / "resume2", r, "mp3-into-fp32")
+        into_mp = load(runs / "resume2", r, "fp32-into-mp1")
+        for k in (k for k in mp3 if k.startswith("savedmaster/")):
+            np.testing.assert_array_equal(into_fp32["loaded/" + k[12:]], mp3[k], err_msg=k)
+        masters = [k for k in into_mp if k.startswith("loadedmaster/")]
+        assert masters
+        for k in masters:
+            np.testing.assert_array_equal(into_mp[k], fp1["saved/" + k[13:]], err_msg=k)
+        assert np.isfinite(into_fp32["last"]).all() and np.isfinite(into_mp["last"]).all()
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -1,5 +1,6 @@
-"""Checkpoint scenarios on several ranks: train 3 steps, save, train 3 more (``--phase train``); or, in
-fresh processes, load a checkpoint (possibly resharded) and train the same last 3 steps (``--phase resume``).
+"""Checkpoint scenarios on several ranks: train 3 steps, save, train 3 more (``--phase train``; with
+``async`` the save is asynchronous and the 3 steps overlap its writing); or, in fresh processes, load a
+checkpoint (resharded offline, or directly from another world size, stage or precision) and train the same last 3 steps (``--phase resume``).
 
 Data: each step's global batch is 4 units of 2 samples; with W ranks, rank r takes units
 [r*4/W, (r+1)*4/W). Mean losses over equal-size units make runs on 2 and 4 ranks the same computation.
@@ -57,9 +58,11 @@ def main():
         net, train = make(scn["model"], scn["stage"], scn.get("param_dtype"))
         mp = bool(scn.get("param_dtype"))
         cls, result = type(net), {}
+        pending = None
         if args.phase == "train":
             first = train_steps(train, cls, range(3), world)
-            mindzero.save_checkpoint(train, scn["ckpt"], format=scn.get("format", "ckpt"))
+            pending = mindzero.save_checkpoint(train, scn["ckpt"], format=scn.get("format", "ckpt"),
+                                               async_save=bool(scn.get("async")))
             result.update({"saved/" + k: v for k, v in mindzero.gather_full_state_dict(train).items()})
             if mp:
                 result.update({"savedmaster/" + k: v
@@ -73,7 +76,9 @@ def main():
                 result.update({"loadedmaster/" + k: v
                                for k, v in mindzero.gather_full_state_dict(train, masters=True).items()})
             first = []
-        last = train_steps(train, cls, range(3, 6), world)
+        last = train_steps(train, cls, range(3, 6), world)  # an asynchronous save is written meanwhile
+        if scn.get("async"):
+            assert pending.wait() == Path(scn["ckpt"])
         result.update({"param/" + k: v for k, v in mindzero.gather_full_state_dict(train).items()})
         np.savez(out_dir / f"{scn['name']}.npz", first=np.array(first), last=np.array(last), **result)
         print(f"scenario {scn['name']} done", flush=True)

@@ -6,7 +6,7 @@ from mindspore import Tensor, nn
 
 import mindzero
 from mindzero.checkpoint import CheckpointError
-from models import build
+from models import MODELS, build
 
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
@@ -43,7 +43,7 @@ def test_interrupted_save_is_not_loadable(tmp_path):
     step = _train()
     mindzero.save_checkpoint(step, tmp_path / "ck")
     (tmp_path / "ck" / "COMPLETE").unlink()  # what a crash before the final rename leaves (as .partial)
-    with pytest.raises(CheckpointError, match="not a complete mindzero checkpoint"):
+    with pytest.raises(CheckpointError, match=r"incomplete checkpoint \(no COMPLETE marker"):
         mindzero.load_checkpoint(_train(steps=0), tmp_path / "ck")
 
 
@@ -53,10 +53,36 @@ def test_load_into_other_network_names_the_difference(tmp_path):
         mindzero.load_checkpoint(_train("mixed", steps=0), tmp_path / "ck")
 
 
-def test_load_with_other_stage_points_to_reshard(tmp_path):
+def test_load_at_another_stage_restores_the_same_state(tmp_path):
+    """A stage-3 checkpoint loads straight into a stage-1 train step (no offline reshard): every parameter
+    and optimizer state is the saved one, and the next step is the one the stage-3 run takes."""
+    saved = _train(stage=3)
+    mindzero.save_checkpoint(saved, tmp_path / "ck")
+    other = _train(stage=1, steps=0)
+    assert mindzero.load_checkpoint(other, tmp_path / "ck").stage == 3
+    full = mindzero.gather_full_state_dict(saved)
+    for k, v in mindzero.gather_full_state_dict(other).items():
+        np.testing.assert_array_equal(v, full[k], err_msg=k)
+    batch = [Tensor(a) for a in MODELS["awkward"].batch(np.random.RandomState(5))]
+    assert float(other(*batch)[0].asnumpy()) == float(saved(*batch)[0].asnumpy())
+    for k, v in mindzero.gather_full_state_dict(other).items():
+        np.testing.assert_array_equal(v, mindzero.gather_full_state_dict(saved)[k], err_msg=k)
+
+
+def test_corrupted_checkpoint_is_refused_and_nothing_changes(tmp_path):
+    from mindzero.ckpt_io import CkptReader
+
     mindzero.save_checkpoint(_train(stage=3), tmp_path / "ck")
-    with pytest.raises(CheckpointError, match="saved with stage=3, this run has 1; convert it with: mindzero-reshard"):
-        mindzero.load_checkpoint(_train(stage=1, steps=0), tmp_path / "ck")
+    path = tmp_path / "ck" / "rank_0.ckpt"
+    raw = bytearray(path.read_bytes())
+    raw[CkptReader(path).index["w2"][2][0][0] + 7] ^= 0x04
+    path.write_bytes(bytes(raw))
+    fresh = _train(stage=3, steps=0)
+    before = mindzero.gather_full_state_dict(fresh)
+    with pytest.raises(CheckpointError, match=r"rank_0.ckpt: tensor 'w2' fails its checksum"):
+        mindzero.load_checkpoint(fresh, tmp_path / "ck")
+    for k, v in mindzero.gather_full_state_dict(fresh).items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
 
 
 def test_load_shape_mismatch_names_the_parameter(tmp_path):
