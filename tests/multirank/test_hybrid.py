@@ -122,6 +122,27 @@ def test_hybrid_checkpoint_resumes_merges_and_reshards(out, tmp_path):
             assert rel_err(again.read(n), v) == 0, (src.name, n)
 
 
+def test_hybrid_checkpoint_loads_straight_into_another_layout(out, tmp_path):
+    """load_checkpoint of the hybrid (2-way sharded, 2 replicas) checkpoint by a plain 4-way stage-1 train
+    step: its parameters, and (saved again and merged with the optimizer) its whole state, equal the
+    hybrid run's; the same as the offline reshard to 4 ranks at stage 1."""
+    for r in range(N):
+        with np.load(out / f"rank_{r}" / "ckpt_state.npz") as f:
+            for n in (k[len("saved/"):] for k in f.files if k.startswith("saved/")):
+                np.testing.assert_array_equal(f["plain/" + n], f["saved/" + n], err_msg=f"rank {r} {n}")
+    ck = out / "ckpt_hybrid_into_plain"
+    assert json.loads((ck / "params_split_info_3.json").read_text())["group_size"] == 4
+    reshard_checkpoint(out / "ckpt_hybrid", tmp_path / "offline", world_size=4, stage=1, log=None)
+    for src, name in ((out / "ckpt_hybrid", "hybrid"), (ck, "direct"), (tmp_path / "offline", "offline")):
+        merge_checkpoint(src, tmp_path / f"{name}.ckpt", with_optimizer=True, log=None)
+    ref = open_reader(tmp_path / "hybrid.ckpt")
+    for name in ("direct", "offline"):
+        got = open_reader(tmp_path / f"{name}.ckpt")
+        assert sorted(got.names()) == sorted(ref.names()), name
+        for n in ref.names():
+            np.testing.assert_array_equal(got.read(n), ref.read(n), err_msg=f"{name} {n}")
+
+
 def test_layout_errors_are_clear_on_every_rank(out):
     for r in range(N):
         m = json.loads((out / f"rank_{r}" / "layout_errors.json").read_text())

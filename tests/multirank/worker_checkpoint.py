@@ -77,7 +77,7 @@ def main():
                                for k, v in mindzero.gather_full_state_dict(train, masters=True).items()})
             first = []
         last = train_steps(train, cls, range(3, 6), world)  # an asynchronous save is written meanwhile
-        if scn.get("async"):
+        if args.phase == "train" and scn.get("async"):
             assert pending.wait() == Path(scn["ckpt"])
         result.update({"param/" + k: v for k, v in mindzero.gather_full_state_dict(train).items()})
         np.savez(out_dir / f"{scn['name']}.npz", first=np.array(first), last=np.array(last), **result)

@@ -108,8 +108,14 @@ def check_checkpoint(out_root, out_dir):
     assert (fresh.zero_info.world.group_size, fresh.zero_info.world.replicas) == (2, 2), fresh.zero_info.world
     mindzero.load_checkpoint(fresh, ckpt)
     loaded = mindzero.gather_full_state_dict(fresh)
+    # resume anywhere: the hybrid (2-way sharded) checkpoint straight into plain 4-way stage 1, saved again
+    net = build(scn["model"], seed=6)
+    plain = mindzero.prepare_train_network(net, make_optimizer(scn["opt"], net), zero_stage=1)
+    mindzero.load_checkpoint(plain, ckpt)
+    into_plain = mindzero.gather_full_state_dict(plain)
+    mindzero.save_checkpoint(plain, out_root / "ckpt_hybrid_into_plain", step=10)
     np.savez(out_dir / "ckpt_state.npz", **{"saved/" + k: v for k, v in saved.items()},
-             **{"loaded/" + k: v for k, v in loaded.items()})
+             **{"loaded/" + k: v for k, v in loaded.items()}, **{"plain/" + k: v for k, v in into_plain.items()})
 
 
 def main():
