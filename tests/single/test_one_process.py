@@ -251,16 +251,17 @@ def test_verbose_logs_the_plan(caplog):
     assert "communication per optimizer step and rank" in text  # one rank: no collective, only the header
 
 
-def test_300_parameters_compile_at_every_stage_without_raising_the_recursion_limit(monkeypatch):
-    """A network of 300 parameter tensors (a 14-layer GPT has 172) compiles and steps at every stage with
-    MindSpore's default call depth: the step maps kernels over the gradients (no loop growing a tuple,
-    which exceeded the depth at 180 parameters), and mindzero never touches the limit."""
+def test_300_parameters_compile_without_raising_the_recursion_limit(monkeypatch):
+    """A network of 300 parameter tensors (a 14-layer GPT has 172) compiles and steps with MindSpore's default
+    call depth: the step maps kernels over the gradients (no loop growing a tuple, which exceeded the depth at
+    180 parameters), and mindzero never touches the limit. Stages 2 (master shards, sharded gradient path)
+    and 3 (gathers: the largest graph); stages 0-1 build smaller graphs of the same kernels (suite time)."""
     def refuse(*args):
         raise AssertionError(f"mindzero called mindspore.set_recursion_limit{args}")
 
     monkeypatch.setattr(ms, "set_recursion_limit", refuse)
     x = Tensor(np.ones((2, 4), np.float32))
-    for stage in (0, 1, 2, 3):
+    for stage in (2, 3):
         net = nn.SequentialCell([nn.Dense(4, 4, activation="tanh") for _ in range(150)])
         net = nn.WithLossCell(net, nn.MSELoss())
         assert len(net.trainable_params()) == 300
