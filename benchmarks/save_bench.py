@@ -25,6 +25,9 @@ sys.path.insert(0, str(ROOT))
 from mindzero.local_launch import msrun  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from zero_bench_worker import add_model_args, model_args  # noqa: E402
+
 MIB = 2 ** 20
 
 
@@ -34,18 +37,11 @@ def main(argv=None):
     ap.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="runs/save_bench")
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--dim", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=14)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=2)
+    add_model_args(ap)
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
-    model = ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers), "--heads", str(a.heads),
-             "--seq", str(a.seq), "--batch", str(a.batch)]
     msrun(HERE / "save_bench_worker.py", a.world, out, ["--out", str(out), "--stage", str(a.stage), "--rounds",
-                                                          str(a.rounds), *model], timeout=3600)
+                                                          str(a.rounds), *model_args(a)], timeout=3600)
     ranks = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(a.world)]
     rows = []
     for mode in ("sync", "async"):

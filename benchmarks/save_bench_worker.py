@@ -12,7 +12,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
-from zero_bench_worker import build  # noqa: E402
+from zero_bench_worker import add_model_args, build  # noqa: E402
 
 
 def main():
@@ -21,8 +21,7 @@ def main():
     ap.add_argument("--stage", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=4)
-    for name, default in (("vocab", 8192), ("dim", 768), ("layers", 14), ("heads", 12), ("seq", 64), ("batch", 2)):
-        ap.add_argument(f"--{name}", type=int, default=default)
+    add_model_args(ap)
     a = ap.parse_args()
     from mindspore import Tensor
 

@@ -36,15 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from mindzero.estimate import paper_formula  # noqa: E402
 from mindzero.local_launch import msrun  # noqa: E402
+from zero_bench_worker import add_model_args, model_args  # noqa: E402
 
 MIB = 2 ** 20
 NAMES = {"dp": "plain DP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3"}
 PHASES = ("init", "build", "prepare", "first_step", "steady")
-
-
-def model_args(a) -> list:
-    return ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers), "--heads", str(a.heads),
-            "--seq", str(a.seq), "--batch", str(a.batch)]
 
 
 def run_config(config, world, out, a):
@@ -206,12 +202,7 @@ def main(argv=None):
     ap.add_argument("--configs", default="dp,0,1,2,3")
     ap.add_argument("--out", default="runs/zero_bench")
     ap.add_argument("--steps", type=int, default=6, help="steady steps after the first")
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--dim", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=14)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=2)
+    add_model_args(ap)
     ap.add_argument("--bucket-mib", type=float, default=0.0, help="comm_fusion buckets (MiB); 0: off (CPU default)")
     ap.add_argument("--fp16", action="store_true", help="mixed precision: fp16 compute (AMP O2) everywhere; the ZeRO "
                     "configurations hold fp16 parameters with fp32 masters (param_dtype=float16)")

@@ -27,6 +27,20 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
 
+MODEL_DEFAULTS = {"vocab": 8192, "dim": 768, "layers": 14, "heads": 12, "seq": 64, "batch": 2}  # 105M parameters
+
+
+def add_model_args(ap, **defaults) -> None:
+    """The benchmark GPT's options (``--vocab --dim --layers --heads --seq --batch``), shared by the benchmarks."""
+    for name, value in {**MODEL_DEFAULTS, **defaults}.items():
+        ap.add_argument(f"--{name}", type=int, default=value)
+
+
+def model_args(a) -> list:
+    """The same options back as command-line arguments, for a worker."""
+    return [x for name in MODEL_DEFAULTS for x in (f"--{name}", str(getattr(a, name)))]
+
+
 def status_kib(field: str) -> int:
     for line in open("/proc/self/status"):
         if line.startswith(field + ":"):
@@ -62,12 +76,7 @@ def parse_args():
     ap.add_argument("--config", required=True, help="dp, or a zero stage 0-3")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=10, help="steps after the first")
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--dim", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=14)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=2)
+    add_model_args(ap)
     ap.add_argument("--bucket-mib", type=float, default=0, help="comm_fusion bucket (MiB) for all kinds; 0: off")
     ap.add_argument("--no-regather", action="store_true")
     ap.add_argument("--fp16", action="store_true", help="fp16 compute (AMP O2; LayerNorm in fp32); ZeRO configs also "

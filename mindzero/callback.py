@@ -27,7 +27,7 @@ from pathlib import Path
 from mindspore.train import Callback
 
 from .checkpoint import (CheckpointError, _Barrier, complete_checkpoints, latest_checkpoint, load_checkpoint,
-                         read_trainer_state, save_checkpoint)
+                         read_trainer_state, save_checkpoint, wait_for_save)
 from .settings import CHECKPOINT_DEFAULTS, check_settings, resolve_settings
 
 logger = logging.getLogger("mindzero")
@@ -44,17 +44,21 @@ class ZeroCheckpoint(Callback):
             checkpoint is taken after an update); ``None``: only at the end of training.
         keep: keep the newest ``keep`` checkpoints (``0``: all).
         format: ``"ckpt"`` or ``"safetensors"``.
+        async_save: write each checkpoint in the background while training goes on
+            (:func:`mindzero.save_checkpoint` ``async_save=True``); the next save and the end of training
+            wait for it. Old checkpoints are removed only once the previous save is complete.
         config: a settings file or mapping (:func:`mindzero.load_config`) whose ``checkpoint`` section
-            gives any of ``dir``, ``save_every``, ``keep``, ``format``; an argument also given here with
-            a value other than its default is an error.
+            gives any of ``dir``, ``save_every``, ``keep``, ``format``, ``async_save``; an argument also
+            given here with a value other than its default is an error.
 
     Collective: every rank must use it (each save is collective). ``dataset_sink_mode=False`` only.
     """
 
-    def __init__(self, train_net, directory=None, save_every=None, keep=2, format="ckpt", config=None):
+    def __init__(self, train_net, directory=None, save_every=None, keep=2, format="ckpt", config=None,
+                 async_save=False):
         super().__init__()
         given = {"dir": None if directory is None else str(directory), "save_every": save_every, "keep": keep,
-                 "format": format}
+                 "format": format, "async_save": async_save}
         explicit = {k: v for k, v in given.items() if v != CHECKPOINT_DEFAULTS[k]}
         settings = check_settings({"checkpoint": explicit}, "ZeroCheckpoint")["checkpoint"]
         if config is not None:
@@ -76,6 +80,7 @@ class ZeroCheckpoint(Callback):
         self.train_net = train_net
         self.directory = Path(settings["dir"])
         self.save_every, self.keep, self.format = settings["save_every"], settings["keep"], settings["format"]
+        self.async_save = settings["async_save"]
         self._accumulation = k
         self._rank = info.world.world_rank
         self._start_step = 0
@@ -135,8 +140,13 @@ class ZeroCheckpoint(Callback):
     def on_train_end(self, run_context):
         cb = run_context.original_args()
         step = int(cb.cur_step_num)
-        if step == self._last_saved:
-            return
+        if step != self._last_saved:
+            self._final_save(cb, step)
+        if self.async_save:  # the last checkpoint is complete when training returns
+            wait_for_save()
+            self._rotate()
+
+    def _final_save(self, cb, step) -> None:
         if step % self._accumulation:
             logger.warning("ZeroCheckpoint: training ended at step %d, between the micro-batches of an update "
                            "(gradient_accumulation_steps=%d): no final checkpoint", step, self._accumulation)
@@ -152,13 +162,25 @@ class ZeroCheckpoint(Callback):
         self.directory.mkdir(parents=True, exist_ok=True)
         state = {"step": step, "epoch": int(cb.cur_epoch_num), "batch_num": int(self._batch_num),
                  "history": self.history}
-        save_checkpoint(self.train_net, path, step=step, format=self.format, trainer_state=state)
+        if self.async_save:
+            wait_for_save()  # the previous checkpoint is complete (on every rank) before older ones go
+            self._rotate()
+            save_checkpoint(self.train_net, path, step=step, format=self.format, trainer_state=state,
+                            async_save=True)
+        else:
+            save_checkpoint(self.train_net, path, step=step, format=self.format, trainer_state=state)
+            self._rotate()
         self._last_saved = step
+        logger.info("ZeroCheckpoint: %s %s", "saving (in the background)" if self.async_save else "saved", path)
+
+    def _rotate(self) -> None:
+        """Rank 0 keeps the newest ``keep`` complete checkpoints and removes interrupted saves; every rank
+        then sees the directory as rank 0 left it. Never called while a save of this run is in flight."""
         if self._rank == 0:
             removed = complete_checkpoints(self.directory, PREFIX)[:-self.keep] if self.keep else []
             stale = [p for p in self.directory.glob(PREFIX + "*.partial") if p.is_dir()]  # interrupted saves
             for p in (*removed, *stale):
                 shutil.rmtree(p, ignore_errors=True)
-            logger.info("ZeroCheckpoint: saved %s%s", path,
-                        f" (removed {', '.join(p.name for p in removed)})" if removed else "")
+            if removed:
+                logger.info("ZeroCheckpoint: removed %s", ", ".join(p.name for p in removed))
         _Barrier(self.train_net.zero_info.world)()  # every rank sees the directory as rank 0 left it

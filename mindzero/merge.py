@@ -14,6 +14,7 @@ Peak memory is about one full tensor plus file buffers.
 from __future__ import annotations
 
 import shutil
+import warnings
 import sys
 import time
 from dataclasses import replace
@@ -53,6 +54,9 @@ class Source:
         self.ref = self.infos[0]
         self.group_size = self.ref.group_size
         self.verified = self.marker["verified"] and self.ref.format_version >= 2
+        if not self.verified:
+            warnings.warn(f"{self.dir}: a checkpoint without checksums (format_version {self.ref.format_version}); "
+                          "read without verification", stacklevel=2)
         self.crcs = {}  # (file, key) -> CRC-32 recorded by the rank that wrote the piece
         for info in self.infos:
             for t in info.tensors:

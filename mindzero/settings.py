@@ -25,7 +25,7 @@ from pathlib import Path
 from .config import MixedPrecision, parse_comm_fusion, stage_policy
 
 FORMATS = ("ckpt", "safetensors")
-CHECKPOINT_DEFAULTS = {"dir": None, "save_every": None, "keep": 2, "format": "ckpt"}
+CHECKPOINT_DEFAULTS = {"dir": None, "save_every": None, "keep": 2, "format": "ckpt", "async_save": False}
 
 
 class ConfigError(ValueError):
@@ -109,6 +109,7 @@ CHECKPOINT_KEYS = {
                         "must be null (save at the end only) or an int >= 1 (train steps)"),
     "keep": _rule(lambda v: _is_int(v) and v >= 0, "must be an int >= 0 (0 keeps every checkpoint)"),
     "format": _rule(lambda v: v in FORMATS, f"must be one of {list(FORMATS)}"),
+    "async_save": _rule(lambda v: isinstance(v, bool), "must be true or false"),
 }
 
 

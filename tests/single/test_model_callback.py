@@ -119,3 +119,25 @@ def test_example_refuses_a_bad_config_before_starting(tmp_path):
     assert run.returncode != 0
     assert f"ConfigError: {bad} [zero]: key 'zero_stage': value 5: zero_stage must be 0, 1, 2 or 3" in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_async_checkpoints_equal_synchronous_ones(tmp_path):
+    """ZeroCheckpoint(async_save=True) under Model.train: the same checkpoints as synchronous saves (the same
+    kept steps, every tensor and the trainer state equal), complete when training returns, no leftovers."""
+    from mindzero.merge import merge_checkpoint
+    from mindzero.ckpt_io import open_reader
+
+    kept = {}
+    for mode in (False, True):
+        step = prepare(zero_stage=3)
+        ck = mindzero.ZeroCheckpoint(step, tmp_path / f"async{mode}", save_every=2, keep=2, async_save=mode)
+        Model(step).train(2, dataset(8), callbacks=[ck], dataset_sink_mode=False)
+        kept[mode] = mindzero.checkpoint.complete_checkpoints(tmp_path / f"async{mode}")
+        assert sorted(p.name for p in (tmp_path / f"async{mode}").iterdir()) == [p.name for p in kept[mode]]
+        merge_checkpoint(kept[mode][-1], tmp_path / f"m{mode}.ckpt", with_optimizer=True, log=None)
+    assert [p.name for p in kept[True]] == [p.name for p in kept[False]] == ["step_00000006", "step_00000008"]
+    a, b = open_reader(tmp_path / "mFalse.ckpt"), open_reader(tmp_path / "mTrue.ckpt")
+    assert sorted(a.names()) == sorted(b.names())
+    for name in a.names():
+        np.testing.assert_array_equal(b.read(name), a.read(name), err_msg=name)
+    assert mindzero.read_trainer_state(kept[True][-1]) == mindzero.read_trainer_state(kept[False][-1])

@@ -218,10 +218,12 @@ def test_version_1_checkpoint_reads_without_verification(tmp_path):
             del t["crc32"]
         (tmp_path / "ck" / split_info_name(r)).write_text(json.dumps(raw))
     (tmp_path / "ck" / "COMPLETE").write_text(json.dumps({"run_id": "run-x", "step": 7, "files": []}))
-    merge_checkpoint(tmp_path / "ck", tmp_path / "m.ckpt", log=None)
+    with pytest.warns(UserWarning, match=r"without checksums \(format_version 1\); read without verification"):
+        merge_checkpoint(tmp_path / "ck", tmp_path / "m.ckpt", log=None)
     np.testing.assert_array_equal(CkptReader(tmp_path / "m.ckpt").read("b.weight"), full["b.weight"])
     lines = []
-    report = verify_checkpoint(tmp_path / "ck", log=lines.append)
+    with pytest.warns(UserWarning):
+        report = verify_checkpoint(tmp_path / "ck", log=lines.append)
     assert report["ok"] and not report["checksums"]
     assert "format_version 1: no checksums recorded" in lines[-1], lines
 

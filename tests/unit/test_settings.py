@@ -16,7 +16,7 @@ FULL = {
     "ema": 0.999, "updates": 3, "optimizer_offload": False, "stage3_regather": False,
     "comm_fusion": {"allreduce": {"openstate": True, "bucket_size": 1024}},
     "param_dtype": "float16", "reduce_dtype": "float32", "hybrid_shard_size": 2,
-    "checkpoint": {"dir": "ckpts", "save_every": 4, "keep": 3, "format": "safetensors"},
+    "checkpoint": {"dir": "ckpts", "save_every": 4, "keep": 3, "format": "safetensors", "async_save": True},
 }
 
 
@@ -97,6 +97,7 @@ def test_reduce_dtype_without_param_dtype_names_reduce_dtype(tmp_path):
     ("save_every", 0, "must be null \\(save at the end only\\) or an int >= 1"),
     ("keep", -1, "must be an int >= 0"),
     ("format", "h5", "must be one of \\['ckpt', 'safetensors'\\]"),
+    ("async_save", "yes", "must be true or false"),
 ])
 def test_bad_checkpoint_value(tmp_path, key, value, rule):
     path = write(tmp_path, {"checkpoint": {key: value}})
