@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from mindzero.estimate import paper_formula  # noqa: E402
-from mindzero.local_launch import MemoryLimitExceeded, launch  # noqa: E402
+from mindzero.local_launch import MemoryLimitExceeded, MemoryWatch, launch  # noqa: E402
 
 GIB = 2 ** 30
 NAMES = {"dp": "plain DP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3"}
@@ -51,11 +51,11 @@ def run(config, layers, a, out: Path) -> dict:
     if config != "dp":
         args.append("--lazy")
     phi = gpt_params(layers, a.dim, a.vocab, a.seq)
-    stats, t = {}, time.time()
+    watch, t = MemoryWatch(limit=int(a.budget_gib * GIB)), time.time()
     outcome = dict(config=config, layers=layers, dim=a.dim, phi=phi)
     try:
         launch(ROOT / "benchmarks" / "zero_bench_worker.py", a.world, run_dir, args=args, timeout=a.timeout,
-               memory_limit=int(a.budget_gib * GIB), stats=stats)
+               memory=watch)
         ranks = [json.loads((run_dir / f"rank_{r}.json").read_text()) for r in range(a.world)]
         finite = all(np.isfinite(x["losses"]).all() for x in ranks)
         init = ranks[0]["phases"][0]["rss_kib"]
@@ -66,10 +66,10 @@ def run(config, layers, a, out: Path) -> dict:
                        timeline=ranks[0]["phases"])
     except MemoryLimitExceeded as err:
         outcome.update(ok=False, why=f"over the {a.budget_gib:g} GiB budget")
-        stats["peak_rss"] = err.peak
+        watch.peak_rss = err.peak
     except AssertionError as err:  # a rank died (e.g. the kernel's OOM killer) or the launch timed out
         outcome.update(ok=False, why=str(err).splitlines()[0][:300])
-    outcome.update(job_peak_gib=stats.get("peak_rss", 0) / GIB, seconds=time.time() - t)
+    outcome.update(job_peak_gib=watch.peak_rss / GIB, seconds=time.time() - t)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "outcome.json").write_text(json.dumps(outcome, indent=1))
     print(f"  {NAMES[config]} L={layers} ({phi / 1e9:.2f}B): {'trains' if outcome['ok'] else 'does not: ' + outcome['why']}"

@@ -125,14 +125,13 @@ def time_collectives(phi, world):
 
 def dp_comm(net, world):
     """The collectives of one plain-DP step: MindSpore's reducer all-reduces every gradient."""
-    from mindzero.comm_plan import CommShape, step_calls, summarize
-    from mindzero.config import STAGES, FusionConfig
+    from mindzero.comm_plan import CommShape, plan_state, step_calls, summarize
+    from mindzero.config import ZeroConfig
     from mindzero.plan import ParamInfo, PartitionPlan
 
     specs = list(PartitionPlan.build([ParamInfo(p.name, tuple(p.shape)) for p in net.trainable_params()],
                                      world.world_size, world.rank))
-    calls = step_calls(specs, [False] * len(specs), STAGES[0], CommShape(world.world_size, world.world_size, True),
-                       FusionConfig())
+    calls = step_calls(plan_state(specs, ZeroConfig(0)), CommShape(world.world_size, world.world_size, True))
     s = summarize([c for c in calls if c.nbytes > 4])  # no overflow flag in MindSpore's step
     return {op: s[op] for op in s}
 

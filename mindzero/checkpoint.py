@@ -40,7 +40,6 @@ from mindspore import Tensor
 
 from .ckpt_io import MS_TO_NAME, crc32_array, open_writer
 from .comm import AllReduceSum, shared_cell
-from .plan import REASON_NOT_OPTIMIZED
 from .shard import GatherFull, shard_array
 from .split_info import (COMPLETE, FORMATS, SplitInfo, entry_at, fsync_dir, split_info_name, write_atomic,
                          write_marker)
@@ -55,18 +54,17 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
     network parameters (plan order), optimizer states, then scalars (step counters, loss scale).
     Where each lives follows :func:`mindzero.split_info.placement`."""
     info = train_net.zero_info
-    stage, rank = info.config.zero_stage, info.world.rank
+    stage = info.config.zero_stage
     out = []
 
-    def add(name, kind, param_name, p, per_rank=False):
+    def add(name, kind, param_name, p):
         spec = info.plan[param_name] if param_name else None
         shape = spec.shape if spec else p.shape
-        out.append((entry_at(name, kind, param_name, shape, MS_TO_NAME[str(p.dtype)], spec, per_rank, stage, rank,
-                             fmt), p))
+        out.append((entry_at(name, kind, shape, MS_TO_NAME[str(p.dtype)], spec, stage, fmt), p))
 
     net_params = {p.name: p for p in train_net.network.get_parameters()}
     for spec in info.plan:
-        add(spec.name, "parameter", spec.name, net_params[spec.name], spec.reason == REASON_NOT_OPTIMIZED)
+        add(spec.name, "parameter", spec.name, net_params[spec.name])
     for attr in info.state_attrs:
         for param_name, p in zip(info.opt_param_names, getattr(train_net.optimizer, attr)):
             add(p.name, "optimizer_state", param_name, p)

@@ -27,6 +27,8 @@ train step guarantees it by building the same plan on every rank.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 
 import mindspore as ms
@@ -38,35 +40,56 @@ _REAL_REDUCE_SCATTER = ("GPU", "Ascend")
 
 
 @dataclass(frozen=True)
-class World:
-    """This process's communication world: the op group it shards over and, with hybrid sharding,
-    the replicas of that group.
+class Group:
+    """A communication group as this rank sees it: MindSpore's ``name`` ("" when not initialised), its
+    world ``ranks`` in group order and this rank's ``index`` in it."""
 
-    ``group_size``/``rank``/``group``: the op group (size ``G``, this rank's shard index, its
-    name); ``world_size``/``world_rank``/``world_group``: the whole world (``N``);
-    ``replicas``/``replica``: ``R = N / G`` copies of the op group and which one this rank is
-    in; ``members``: the op group's world ranks in shard order; ``dp_group``: the group of the
-    ranks holding this shard index in every replica. Without hybrid sharding ``G = N``, ``R = 1``.
+    name: str
+    ranks: tuple
+    index: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @staticmethod
+    def of(name: str, ranks, me: int) -> "Group":
+        ranks = tuple(int(r) for r in ranks)
+        return Group(name, ranks, ranks.index(me))
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's communication world: the whole world (``N`` ranks), the op group this rank shards
+    over (``G``) and its dp group (the ranks holding the same shard index in the ``R = N / G`` replicas of
+    the op group; this rank alone without hybrid sharding, where ``G = N``, ``R = 1``).
+
+    The core reads them through the names below; ``group_size``/``rank``/``group`` are the **op group's**
+    (the ranks a tensor is sharded over), ``world_*`` the whole world's.
     """
 
-    group_size: int
-    rank: int
     device: str
-    group: str  # MindSpore's name of the op group ("" when not initialised)
-    world_size: int = 0  # 0: the same as group_size
-    world_rank: int = -1
-    world_group: str = ""
-    replicas: int = 1
-    replica: int = 0
-    members: tuple = ()
-    dp_group: str = ""
+    everyone: Group  # the whole world
+    op: Group  # the op group
+    dp: Group  # the dp group; its index is this rank's replica
+    substitute: bool = False  # test-only: the GPU/Ascend path on CPU (see substitute_collectives)
 
-    def __post_init__(self):
-        if self.world_size == 0:
-            object.__setattr__(self, "world_size", self.group_size)
-            object.__setattr__(self, "world_rank", self.rank)
-            object.__setattr__(self, "world_group", self.group)
-            object.__setattr__(self, "members", tuple(range(self.group_size)))
+    @staticmethod
+    def flat(device: str, size: int, rank: int, name: str, substitute: bool = False) -> "World":
+        """A world sharded over all of its ranks (no replicas)."""
+        everyone = Group(name, tuple(range(size)), rank)
+        return World(device, everyone, everyone, Group(name, (rank,), 0), substitute)
+
+    group_size = property(lambda self: self.op.size, doc="ranks in the op group (G)")
+    rank = property(lambda self: self.op.index, doc="this rank's shard index in the op group")
+    group = property(lambda self: self.op.name, doc="MindSpore's name of the op group")
+    members = property(lambda self: self.op.ranks, doc="the op group's world ranks in shard order")
+    world_size = property(lambda self: self.everyone.size, doc="ranks in the world (N)")
+    world_rank = property(lambda self: self.everyone.index)
+    world_group = property(lambda self: self.everyone.name)
+    replicas = property(lambda self: self.dp.size, doc="copies of the op group (R = N / G)")
+    replica = property(lambda self: self.dp.index, doc="which copy this rank is in")
+    dp_group = property(lambda self: self.dp.name)
 
     @property
     def hybrid(self) -> bool:
@@ -74,8 +97,9 @@ class World:
 
     @property
     def emulated(self) -> bool:
-        """CPU: no ReduceScatter and no collectives on sub-groups; both are emulated with world collectives."""
-        return self.world_size > 1 and self.device not in _REAL_REDUCE_SCATTER
+        """CPU: no ReduceScatter and no collectives on sub-groups; both are emulated with world collectives
+        (unless the test-only :func:`substitute_collectives` runs the GPU/Ascend path instead)."""
+        return self.world_size > 1 and self.device not in _REAL_REDUCE_SCATTER and not self.substitute
 
     @property
     def writes_shards(self) -> bool:
@@ -89,8 +113,9 @@ def current_world() -> World:
 
     device = ms.get_context("device_target")
     if not GlobalComm.INITED:
-        return World(1, 0, device, "")
-    return World(get_group_size(), get_rank(), device, GlobalComm.WORLD_COMM_GROUP)
+        return World.flat(device, 1, 0, "")
+    substitute = _substituting() and device not in _REAL_REDUCE_SCATTER
+    return World.flat(device, get_group_size(), get_rank(), GlobalComm.WORLD_COMM_GROUP, substitute)
 
 
 _WORLD_NAMES = ("hccl_world_group", "nccl_world_group", "mccl_world_group")
@@ -180,9 +205,9 @@ def resolve_world(optimizer_parallel_group, dp_group) -> World:
         raise ValueError(f"rank {me}: {err}") from None
     if layout.replicas == 1:
         return flat
-    mine = layout.op_group_of(me)
-    return World(layout.shard_size, layout.op_rank(me), flat.device, optimizer_parallel_group, n, me,
-                 flat.world_group, layout.replicas, layout.replica(me), mine, dp_group)
+    dp_ranks = layout.dp_group_of(me)  # ordered by replica, so this rank's index is its replica
+    return World(flat.device, flat.everyone, Group.of(optimizer_parallel_group, layout.op_group_of(me), me),
+                 Group.of(dp_group, dp_ranks, me), flat.substitute)
 
 
 def _gather_views(flat: World, op, dp) -> list:
@@ -223,6 +248,74 @@ def own_shard(flat, padding: int, rank: int, group_size: int):
     return flat[rank * size:(rank + 1) * size]
 
 
+_SUBSTITUTE = []  # depth of substitute_collectives() blocks
+
+
+def _substituting() -> bool:
+    return bool(_SUBSTITUTE) or os.environ.get("MINDZERO_SUBSTITUTE_COLLECTIVES") == "1"
+
+
+@contextlib.contextmanager
+def substitute_collectives():
+    """Test-only: run the GPU/Ascend code path on CPU.
+
+    Worlds made inside the block (``prepare_train_network`` makes its own) are not emulated: the train
+    step builds exactly what it builds on GPU/Ascend (real ``ReduceScatter`` with the fused row layout,
+    op-group and dp-group collectives, the two-level hybrid reduction), and only the primitives CPU lacks
+    are replaced, by :func:`group_primitive`, with CPU-legal functions of the same semantics. Also
+    enabled by ``MINDZERO_SUBSTITUTE_COLLECTIVES=1``. No effect on GPU/Ascend. Costs ``N`` times the bytes
+    of the real primitive; for tests (docs/backends.md), not for training.
+    """
+    _SUBSTITUTE.append(True)
+    try:
+        yield
+    finally:
+        _SUBSTITUTE.pop()
+
+
+def group_primitive(kind: str, world: World, group: str, ranks: tuple):
+    """The collective ``kind`` over the named ``group`` as the GPU/Ascend path calls it: ``"reduce_scatter"``
+    (sum, then the group index's chunk of dim 0), ``"all_reduce"`` (sum) or ``"all_gather"`` (concatenated
+    along dim 0 in group order). MindSpore's primitive, or on a substituting world (:func:`substitute_collectives`)
+    a function of the same semantics built from CPU-legal world collectives (``ranks``: the group's world
+    ranks in group order)."""
+    if not world.substitute:
+        if kind == "reduce_scatter":
+            return ops.ReduceScatter(ops.ReduceOp.SUM, group)
+        if kind == "all_reduce":
+            return ops.AllReduce(ops.ReduceOp.SUM, group)
+        return ops.AllGather(group)
+    return _substitute(kind, world, tuple(ranks))
+
+
+def _substitute(kind: str, world: World, ranks: tuple):
+    """A CPU-legal graph-mode function with the semantics of ``kind`` over the group of world ``ranks``:
+    every rank's tensor by one world all-gather, the group's rows taken in group order, summed in that order."""
+    gather, take = ops.AllGather(world.world_group), ops.Gather()
+    rows, size, index = world.world_size, len(ranks), ranks.index(world.world_rank)
+    members = Tensor(list(ranks), ms.int32)
+
+    def of_group(x):  # (size, x.size): every member's x, in group order
+        return take(gather(x.reshape((-1,))).reshape((rows, -1)), members, 0)
+
+    def total(parts):
+        acc = parts[0]
+        for k in range(1, size):
+            acc = acc + parts[k]
+        return acc
+
+    def all_gather(x):
+        return of_group(x).reshape((-1,))
+
+    def all_reduce(x):
+        return total(of_group(x)).reshape(x.shape)
+
+    def reduce_scatter(x):
+        return total(of_group(x)).reshape((size, -1))[index]
+
+    return {"all_gather": all_gather, "all_reduce": all_reduce, "reduce_scatter": reduce_scatter}[kind]
+
+
 class AllGather(nn.Cell):
     """Concatenate 1D shards along dim 0 over the op group (``scope="op"``) or the whole world.
 
@@ -244,7 +337,7 @@ class AllGather(nn.Cell):
                 self.op = ops.AllGather(world.world_group)
                 self.select = Tensor(list(world.members), ms.int32)
             else:
-                self.op = ops.AllGather(world.group)
+                self.op = group_primitive("all_gather", world, world.group, world.members)
         else:
             self.op = ops.AllGather(world.world_group)
 
@@ -255,10 +348,6 @@ class AllGather(nn.Cell):
         if self.select is not None:
             y = self.take(y.reshape((self.rows, -1)), self.select, 0).reshape((-1,))
         return y
-
-    def primitives(self) -> list:
-        """The primitives of the forward chain (for recompute)."""
-        return [p for p in (self.op, self.take if self.select is not None else None) if p is not None]
 
 
 class ShardGather(ops.AllGather):
@@ -291,7 +380,10 @@ def shard_gather(world: World, numel: int, padding: int, reduce_dtype=None):
     if world.world_size == 1:
         return None, None
     emulated = world.emulated or world.group_size == 1
-    op = ShardGather(world.world_group if (emulated or not world.hybrid) else world.group)
+    # the forward gathers over the world and keeps the op group's rows where the op group has no
+    # collective: CPU, and the test-only substitute (a gather moves values; its result is the same)
+    over_world = emulated or not world.hybrid or world.substitute
+    op = ShardGather(world.world_group if over_world else world.group)
     op.zero_numel, op.zero_padding, op.zero_emulated = int(numel), int(padding), emulated
     op.zero_world = world
     # MindSpore caches a primitive's gradient by its name and attributes: make them differ where ours does
@@ -301,7 +393,7 @@ def shard_gather(world: World, numel: int, padding: int, reduce_dtype=None):
     if reduce_dtype is not None:
         op.add_prim_attr("mindzero_reduce_dtype", str(reduce_dtype))
     select = None
-    if emulated and world.hybrid:
+    if over_world and world.hybrid:
         select = Tensor(list(world.members), ms.int32)
     op.zero_select = select
     return op, select
@@ -310,19 +402,21 @@ def shard_gather(world: World, numel: int, padding: int, reduce_dtype=None):
 @bprop_getters.register(ShardGather)
 def _shard_gather_bprop(self):
     world, numel, padding, dtype = self.zero_world, self.zero_numel, self.zero_padding, self.zero_reduce_dtype
+    select, rows = self.zero_select, world.world_size
     if not self.zero_emulated:
         reduce_scatter, dp = _reduce_scatter_ops(world)
 
         def bprop(x, out, dout):
             if dtype is not None:
                 dout = ops.cast(dout, dtype)
+            if select is not None:  # substitute, hybrid: the op group's rows of the world gather
+                dout = ops.gather(dout.reshape((rows, -1)), select, 0).reshape((-1,))
             grad = reduce_scatter(dout)
             if dp is not None:
                 grad = dp(grad)
             return (grad,)
         return bprop
     allreduce = ops.AllReduce(ops.ReduceOp.SUM, world.world_group)
-    select, rows = self.zero_select, world.world_size
     rank, group_size = world.rank, world.group_size
 
     def emulated_bprop(x, out, dout):
@@ -359,7 +453,7 @@ class AllReduceSum(nn.Cell):
                 self.slots = Tensor(onehot, ms.float32)
                 self.replica = world.replica
             else:
-                self.op = ops.AllReduce(ops.ReduceOp.SUM, world.group)
+                self.op = group_primitive("all_reduce", world, world.group, world.members)
         else:
             self.op = ops.AllReduce(ops.ReduceOp.SUM, world.world_group)
 
@@ -379,8 +473,8 @@ def _reduce_scatter_ops(world: World) -> tuple:
         return None, None
     if world.emulated:
         return ops.AllReduce(ops.ReduceOp.SUM, world.world_group), None
-    dp = ops.AllReduce(ops.ReduceOp.SUM, world.dp_group) if world.hybrid else None
-    return ops.ReduceScatter(ops.ReduceOp.SUM, world.group), dp
+    dp = group_primitive("all_reduce", world, world.dp_group, world.dp.ranks) if world.hybrid else None
+    return group_primitive("reduce_scatter", world, world.group, world.members), dp
 
 
 class ReduceScatterSum(nn.Cell):
@@ -412,9 +506,6 @@ class ReduceScatterSum(nn.Cell):
         if self.dp is not None:
             y = self.dp(y)
         return y
-
-    def primitives(self) -> list:
-        return [p for p in (self.op, self.dp) if p is not None]
 
 
 class AnyRank(nn.Cell):

@@ -3,7 +3,7 @@
 :func:`step_calls` lists every collective a rank issues in one optimizer step (``K``
 micro-steps), in the order the train step issues them, from the partition plan, the
 stage, the backend and ``comm_fusion``. The train step builds its reducers and gathers
-from the same :func:`buckets`, so the list is what runs; ``tests/multirank`` counts the
+from the same :func:`step_buckets`, so the list is what runs; ``tests/multirank`` counts the
 collectives actually called (PyNative) and compares.
 
 Sizes: ``nbytes`` is the full tensor of the call (an all-reduce's or reduce-scatter's
@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import FusionConfig, StagePolicy
+from .state import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommBucket, ParamState, ZeroState
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -104,49 +105,74 @@ def all_reduce_calls(specs, shape: CommShape, phase: str) -> list:
     return [Call("all_reduce", phase, shape.world_size, sum(s.numel * s.itemsize for s in specs), len(specs))]
 
 
-def step_calls(opt_specs, sharded, policy: StagePolicy, shape: CommShape, fusion: FusionConfig,
-               accum_steps: int = 1, clip_grad: bool = False, regather: bool = True, reduce_specs=None) -> list:
-    """Every collective of one optimizer step, in issue order.
+def step_buckets(params, policy: StagePolicy, fusion: FusionConfig) -> tuple:
+    """``(micro, boundary, gather)``: the :class:`~mindzero.state.CommBucket` tuples of one step, the one
+    statement of which collective moves which tensor at each stage (the train step builds its reductions
+    from them, :func:`step_calls` counts them).
 
-    Args:
-        opt_specs: the optimizer's parameters' :class:`~mindzero.plan.ShardSpec`, in optimizer order, with
-            the dtype the parameters are held (and gathered) in.
-        sharded: per entry, whether its optimizer state is sharded (stage >= 1 and the plan shards it).
-        regather: stage 3 all-gathers each parameter again in backward instead of keeping it.
-        reduce_specs: the same specs with the dtype gradients are reduced in (mixed precision's
-            ``reduce_dtype``); ``None``: ``opt_specs``.
+    ``params``: :class:`~mindzero.state.ParamState` per optimized parameter (optimizer order). Stage 2
+    reduce-scatters the sharded gradients every micro-step, stage 1 at the accumulation boundary; stage 3
+    reduce-scatters each where it is read (:class:`mindzero.shard.GatherFull`, no bucket); every stage
+    all-reduces the rest (stage 0: every gradient) at the boundary; stages 1-2 all-gather the updated
+    master shards (``gather`` positions index the sharded parameters, in order). Buckets follow
+    ``comm_fusion`` (one tensor each without it).
     """
-    reduce_specs = opt_specs if reduce_specs is None else reduce_specs
-    sh = [s for s, f in zip(opt_specs, sharded) if f]
-    sh_r = [s for s, f in zip(reduce_specs, sharded) if f]
-    rep = [s for s, f in zip(reduce_specs, sharded) if not f]
+    def units(positions, kind, fusion_kind, held=False, relative=False):
+        specs = [params[i].spec if held else params[i].reduce_spec for i in positions]
+        return tuple(CommBucket(tuple(j if relative else positions[j] for j in b), kind, tuple(specs[j] for j in b))
+                     for b in spec_buckets(specs, fusion, fusion_kind))
+
+    sharded = [i for i, p in enumerate(params) if p.sharded]
+    micro, boundary, gather = (), (), ()
+    if policy.shard_gradients and not policy.shard_parameters:
+        micro = units(sharded, REDUCE_SCATTER, "reduce_scatter")
+    elif policy.shard_optimizer_states and not policy.shard_parameters:
+        boundary = units(sharded, REDUCE_SCATTER, "reduce_scatter")
+    boundary += units([i for i, p in enumerate(params) if not p.sharded], ALL_REDUCE, "allreduce")
+    if policy.shard_optimizer_states and not policy.shard_parameters:
+        gather = units(sharded, ALL_GATHER, "allgather", held=True, relative=True)
+    return micro, boundary, gather
+
+
+def step_calls(state, shape: CommShape) -> list:
+    """Every collective of one optimizer step of ``state`` (a :class:`~mindzero.state.ZeroState`: its
+    parameters, buckets and config), in issue order, on a backend of ``shape``."""
+    config = state.config
     micro, boundary, update = [], [], []
-    if policy.shard_parameters:
-        for s in sh:  # one gather per parameter where it is used; fusion does not apply
-            micro += all_gather_calls([s], shape, "forward")
-        for s, r in zip(reversed(sh), reversed(sh_r)):
-            if regather:
-                micro += all_gather_calls([s], shape, "backward")
-            micro += reduce_scatter_calls([r], shape, "backward")
-    elif policy.shard_gradients:
-        for b in spec_buckets(sh_r, fusion, "reduce_scatter"):
-            micro += reduce_scatter_calls([sh_r[i] for i in b], shape, "backward")
-    elif policy.shard_optimizer_states:
-        for b in spec_buckets(sh_r, fusion, "reduce_scatter"):
-            boundary += reduce_scatter_calls([sh_r[i] for i in b], shape, "boundary")
-    full = rep if policy.shard_optimizer_states else list(reduce_specs)
-    for b in spec_buckets(full, fusion, "allreduce"):
-        boundary += all_reduce_calls([full[i] for i in b], shape, "boundary")
+    if config.policy.shard_parameters:
+        sharded = [p for p in state.params if p.sharded]
+        for p in sharded:  # one gather per parameter where it is used; fusion does not apply
+            micro += all_gather_calls([p.spec], shape, "forward")
+        for p in reversed(sharded):
+            if state.regather:
+                micro += all_gather_calls([p.spec], shape, "backward")
+            micro += reduce_scatter_calls([p.reduce_spec], shape, "backward")
+    for b in state.micro:
+        micro += reduce_scatter_calls(b.specs, shape, "backward")
+    for b in state.boundary:
+        boundary += (reduce_scatter_calls if b.kind == REDUCE_SCATTER else all_reduce_calls)(b.specs, shape, "boundary")
     if shape.world_size > 1:
         boundary.append(Call("all_reduce", "boundary", shape.world_size, 4))  # the overflow flag
-    if clip_grad and any(s.sharded for s in opt_specs) and shape.group_size > 1:
+    if config.clip_grad and any(p.spec.sharded for p in state.params) and shape.group_size > 1:
         emulate = shape.emulated and shape.replicas > 1
         boundary.append(Call("all_reduce", "boundary", shape.world_size if emulate else shape.group_size,
                              4 * (shape.replicas if emulate else 1)))
-    if policy.shard_optimizer_states and not policy.shard_parameters:
-        for b in spec_buckets(sh, fusion, "allgather"):
-            update += all_gather_calls([sh[i] for i in b], shape, "update")
-    return micro * accum_steps + boundary + update
+    for b in state.gather:
+        update += all_gather_calls(b.specs, shape, "update")
+    return micro * config.gradient_accumulation_steps + boundary + update
+
+
+def plan_state(specs, config, fusion: FusionConfig = FusionConfig(), regather: bool = True, reduce_specs=None):
+    """A :class:`~mindzero.state.ZeroState` of ``specs`` (the optimizer's parameters' plan entries, held
+    dtype) under ``config`` (a :class:`~mindzero.config.ZeroConfig`), with its buckets, without MindSpore:
+    what :func:`step_calls` needs, for the estimate, benchmarks and tests (``prepare_train_network`` fills
+    the same records with the real tensors)."""
+    policy = config.policy
+    reduce_specs = specs if reduce_specs is None else reduce_specs
+    params = tuple(ParamState(s.name, None, s, r, s.sharded and policy.shard_optimizer_states)
+                   for s, r in zip(specs, reduce_specs))
+    micro, boundary, gather = step_buckets(params, policy, fusion)
+    return ZeroState(config, None, None, fusion, params, micro, boundary, gather=gather, regather=regather)
 
 
 def summarize(calls) -> dict:

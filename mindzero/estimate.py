@@ -42,16 +42,19 @@ def paper_formula(phi: int, stage: int, group_size: int, mixed_precision: bool =
     """The ZeRO paper's per-rank bytes by kind for ``phi`` parameters (mixed precision: fp16 parameters
     and gradients, fp32 master copy and ``n_states`` fp32 moments: K = 4 + 4 * n_states); with
     ``mixed_precision=False`` the fp32 version mindzero allocates (see the module table)."""
-    n = group_size
+    n, policy = group_size, stage_policy(stage)
+    part = lambda nbytes, sharded: nbytes / n if sharded else nbytes  # noqa: E731
     if mixed_precision:
         k = 4 + 4 * n_states
-        return {"parameters": 2 * phi / n if stage >= 3 else 2 * phi,
-                "gradients": 2 * phi / n if stage >= 2 else 2 * phi,
-                "optimizer_states": k * phi / n if stage >= 1 else k * phi}
+        return {"parameters": part(2 * phi, policy.shard_parameters),
+                "gradients": part(2 * phi, policy.shard_gradients),
+                "optimizer_states": part(k * phi, policy.shard_optimizer_states)}
     moments = 4 * n_states * phi
-    return {"parameters": 4 * phi / n if stage >= 3 else 4 * phi,
-            "gradients": 4 * phi / n if stage >= 2 else 4 * phi,
-            "optimizer_states": moments if stage == 0 else (moments + 4 * phi) / n if stage < 3 else moments / n}
+    # fp32: stages 1-2 keep a master shard beside the moments; stage 3's shards are the parameters
+    master = 4 * phi if policy.shard_optimizer_states and not policy.shard_parameters else 0
+    return {"parameters": part(4 * phi, policy.shard_parameters),
+            "gradients": part(4 * phi, policy.shard_gradients),
+            "optimizer_states": part(moments + master, policy.shard_optimizer_states)}
 
 
 def kept_fp32(network) -> set:
@@ -64,13 +67,28 @@ def kept_fp32(network) -> set:
     return out
 
 
+def param_infos(network, precision: MixedPrecision, optimizer=None) -> list:
+    """The :class:`ParamInfo` of ``network``'s parameters (``get_parameters()`` order) as the plan sees them,
+    dtypes as held under ``precision``.
+
+    The one definition of an *optimized* parameter, shared by ``prepare_train_network`` and the estimate:
+    one ``optimizer`` updates; without an optimizer (the estimate from a Cell), one with ``requires_grad``,
+    which is what ``network.trainable_params()`` hands an optimizer.
+    """
+    if optimizer is not None:
+        ids = {id(p) for p in optimizer.parameters}
+        optimized = lambda p: id(p) in ids  # noqa: E731
+    else:
+        optimized = lambda p: bool(p.requires_grad)  # noqa: E731
+    keep = kept_fp32(network) if precision.enabled else set()
+    return [ParamInfo(p.name, tuple(p.shape), precision.held(str(p.dtype).lower(), optimized(p), id(p) in keep),
+                      optimized(p), bool(getattr(p, "parallel_optimizer", True)))
+            for p in network.get_parameters()]
+
+
 def _param_infos(network_or_param_shapes, precision: MixedPrecision):
     if hasattr(network_or_param_shapes, "get_parameters"):  # a MindSpore Cell
-        keep = kept_fp32(network_or_param_shapes)
-        return [ParamInfo(p.name, tuple(p.shape), precision.held(str(p.dtype).lower(), bool(p.requires_grad),
-                                                                 id(p) in keep),
-                          bool(p.requires_grad), bool(getattr(p, "parallel_optimizer", True)))
-                for p in network_or_param_shapes.get_parameters()]
+        return param_infos(network_or_param_shapes, precision)
     if isinstance(network_or_param_shapes, dict):
         items = list(network_or_param_shapes.items())
     else:

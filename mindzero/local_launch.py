@@ -16,9 +16,12 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
+# the directory holding this mindzero package (a source checkout or site-packages): workers import this copy
+PACKAGE_PARENT = Path(__file__).resolve().parents[1]
 LAUNCHERS = ("msrun", "mpirun")
 # after one launcher process failed, how long the others (other "nodes") get to end on their own
 GRACE = 90.0
@@ -67,8 +70,18 @@ def tree_rss(pids) -> int:
     return total
 
 
+@dataclass
+class MemoryWatch:
+    """Watch a job's memory (:func:`launch`): its processes' RSS summed, sampled every 0.5 s; ``peak_rss``
+    receives the highest total; over ``limit`` bytes (if set) the job is killed."""
+
+    limit: Optional[int] = None
+    peak_rss: int = 0
+
+
 class MemoryLimitExceeded(AssertionError):
-    """The job's processes together held more RSS than ``memory_limit``; every process was killed."""
+    """The job's processes together held more RSS than its :class:`MemoryWatch` limit; every process was
+    killed."""
 
     def __init__(self, message: str, peak: int):
         super().__init__(message)
@@ -156,7 +169,7 @@ def first_failure(launcher_out: str, pid_ranks: dict):
 def _env(extra=None) -> dict:
     # msrun starts workers with the `python` on PATH: make it this interpreter
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               PYTHONPATH=f"{PACKAGE_PARENT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                GLOG_v="3", MALLOC_MMAP_THRESHOLD_="1048576")
     env.update(extra or {})  # the caller's values win
     return env
@@ -199,14 +212,13 @@ def _lost_scheduler_race(out_dir, node: int, node_out: str) -> bool:
 
 
 def launch(script, world_size: int, out_dir, args=(), timeout: float = 900.0, nodes: int = 1,
-           launcher: str = "msrun", env=None, memory_limit: int = None, stats: dict = None) -> Path:
+           launcher: str = "msrun", env=None, memory: MemoryWatch = None) -> Path:
     """Run ``script`` on ``world_size`` local ranks; return ``out_dir`` once every rank wrote its done-marker.
 
     ``nodes > 1`` (msrun) starts one msrun per "node" on loopback (``--node_rank``), as on a real
     cluster; ``launcher="mpirun"`` starts ``mpirun -n N python -m mindzero.launch SCRIPT``.
-    ``env`` adds environment variables (e.g. ``MS_NODE_TIMEOUT``). ``memory_limit`` (bytes): kill the
-    job when its processes together hold more RSS (sampled every 0.5 s); ``stats``, a dict, receives
-    ``peak_rss``, the highest total sampled.
+    ``env`` adds environment variables (e.g. ``MS_NODE_TIMEOUT``). ``memory``: a :class:`MemoryWatch`
+    that receives the job's peak RSS and kills the job above its limit.
 
     Raises:
         MemoryLimitExceeded: the job exceeded ``memory_limit``.
@@ -228,11 +240,9 @@ def launch(script, world_size: int, out_dir, args=(), timeout: float = 900.0, no
     pid_ranks, timed_out, failed_at, peak = {}, False, None, 0
     while any(p.poll() is None for p in procs):
         _record_ranks([p.pid for p in procs], pid_ranks)
-        if memory_limit is not None or stats is not None:
-            peak = max(peak, tree_rss([p.pid for p in procs]))
-            if stats is not None:
-                stats["peak_rss"] = peak
-            if memory_limit is not None and peak > memory_limit:
+        if memory is not None:
+            peak = memory.peak_rss = max(peak, tree_rss([p.pid for p in procs]))
+            if memory.limit is not None and peak > memory.limit:
                 for p in procs:
                     _kill_tree(p.pid)
                 for p, o in zip(procs, outs):
@@ -240,7 +250,7 @@ def launch(script, world_size: int, out_dir, args=(), timeout: float = 900.0, no
                     o.close()
                 raise MemoryLimitExceeded(f"{launcher} {Path(script).name} on {world_size} ranks: the job held "
                                           f"{peak / 2 ** 30:.2f} GiB of RSS, over the limit of "
-                                          f"{memory_limit / 2 ** 30:.2f} GiB, after {time.time() - start:.0f}s; "
+                                          f"{memory.limit / 2 ** 30:.2f} GiB, after {time.time() - start:.0f}s; "
                                           "every process was killed", peak)
         now = time.time()
         if failed_at is None and any(p.poll() not in (None, 0) for p in procs):

@@ -24,7 +24,7 @@ costs 4Φ/N); stage 2: 4Φ + 4Φ/N + 12Φ/N; stage 3: 4Φ/N + 4Φ/N + 8Φ/N.
 from __future__ import annotations
 
 from .config import MixedPrecision, StagePolicy
-from .plan import REASON_NOT_OPTIMIZED, PartitionPlan, dtype_bytes
+from .plan import PartitionPlan, dtype_bytes
 
 KINDS = ("parameters", "gradients", "optimizer_states")
 
@@ -50,7 +50,7 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
     for s in plan:
         numel = s.shard_size if (policy.shard_parameters and s.sharded) else s.numel
         out["parameters"] += numel * s.itemsize
-        if s.reason == REASON_NOT_OPTIMIZED:
+        if s.per_rank:
             continue
         # fp32 values (masters, moments, EMA) of a mixed-precision run: 4 bytes whatever the held dtype
         wide = dtype_bytes("float32") if mixed else s.itemsize

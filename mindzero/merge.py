@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .ckpt_io import CheckpointFileError, crc32_array, np_dtype, open_reader, open_writer
-from .plan import REASON_NOT_OPTIMIZED, REASON_USER, ParamInfo, PartitionPlan
+from .plan import REASON_USER, ParamInfo, PartitionPlan, is_per_rank, shard_of_flat
 from .split_info import (FORMATS, SplitInfo, SplitInfoError, TensorEntry, entry_at, read_all, read_marker,
                          split_info_name, write_marker)
 
@@ -150,15 +150,14 @@ class Source:
             if ((old.sharded, old.offset, old.shard_size) == (target.sharded, target.offset, target.shard_size)
                     and old.file.startswith("rank_") == target.file.startswith("rank_")):
                 return self.read_piece(old).reshape((old.shard_size,) if old.sharded else old.shape)
-        if target.kind == "parameter" and target.replicated_reason == REASON_NOT_OPTIMIZED:
+        if target.per_rank:
             return self.rank_piece(target.name, rank if rank < self.group_size else 0)
         if not target.sharded:
             return full if full is not None else self.full(target.name)
-        piece = np.zeros(target.shard_size, dtype=np_dtype(target.dtype))
         if full is not None:
-            piece[:target.valid] = full.reshape(-1)[target.offset:target.offset + target.valid]
-        else:
-            piece[:target.valid] = self.window(target.name, target.offset, target.valid)
+            return shard_of_flat(full.reshape(-1), target)
+        piece = np.zeros(target.shard_size, dtype=np_dtype(target.dtype))
+        piece[:target.valid] = self.window(target.name, target.offset, target.valid)
         return piece
 
 
@@ -255,7 +254,7 @@ def merge_checkpoint(ckpt_dir, out, format="ckpt", with_optimizer=False, force=F
 
 
 def _plan_from_entries(ref: SplitInfo, group_size: int) -> PartitionPlan:
-    infos = [ParamInfo(t.name, tuple(t.shape), t.dtype, optimized=t.replicated_reason != REASON_NOT_OPTIMIZED,
+    infos = [ParamInfo(t.name, tuple(t.shape), t.dtype, optimized=not is_per_rank(t.replicated_reason),
                        parallel_optimizer=t.replicated_reason != REASON_USER)
              for t in ref.tensors if t.kind == "parameter"]
     return PartitionPlan.build(infos, group_size, 0)
@@ -270,8 +269,7 @@ def _resharded_infos(src: Source, world_size: int, stage: int, fmt: str, run_id:
         entries = []
         for t in src.ref.tensors:
             spec = specs[t.param].for_rank(rank) if t.param else None
-            per_rank = t.kind == "parameter" and spec.reason == REASON_NOT_OPTIMIZED
-            entries.append(entry_at(t.name, t.kind, t.param, t.shape, t.dtype, spec, per_rank, stage, rank, fmt))
+            entries.append(entry_at(t.name, t.kind, t.shape, t.dtype, spec, stage, fmt))
         out.append(SplitInfo(run_id, stage, world_size, rank, src.ref.step, fmt, plan.fingerprint(), tuple(entries)))
     return out
 
@@ -324,7 +322,7 @@ def _write_resharded(src: Source, infos: list, partial: Path, fmt: str, log) -> 
     entries = [list(info.tensors) for info in infos]  # gain the CRC-32 of what each rank's entry wrote
     try:
         for i, t in enumerate(src.ref.tensors):
-            per_rank = t.kind == "parameter" and t.replicated_reason == REASON_NOT_OPTIMIZED
+            per_rank = t.per_rank
             full = None if per_rank else src.full(t.name)
             written = set()
             for info in infos:

@@ -37,6 +37,34 @@ REASON_NOT_OPTIMIZED = "not updated by the optimizer (buffer or frozen)"
 REASON_EMPTY = "has no elements"
 
 
+def is_per_rank(reason: str) -> bool:
+    """Whether a parameter the plan replicates for ``reason`` is a per-rank value: one the optimizer does
+    not update (a buffer such as BatchNorm's statistics, or a frozen weight). Each rank keeps its own (a
+    checkpoint stores every rank's), and it has no gradient or optimizer state. The one test of it, for
+    plans (:attr:`ShardSpec.per_rank`) and split infos (``TensorEntry.per_rank``)."""
+    return reason == REASON_NOT_OPTIMIZED
+
+
+def valid_elements(numel: int, sharded: bool, offset: int, shard_size: int) -> int:
+    """Real (non-padding) elements of a piece starting at flat ``offset`` with ``shard_size`` elements."""
+    if not sharded:
+        return numel
+    return max(0, min(numel, offset + shard_size) - offset)
+
+
+def shard_of_flat(flat, piece):
+    """numpy twin of :func:`mindzero.comm.own_shard`: ``flat`` (a full tensor, 1D numpy array) zero-padded,
+    then ``piece``'s slice (a :class:`ShardSpec` or a split-info entry: ``sharded``, ``shard_size``,
+    ``offset``, ``valid``); a copy of ``flat`` when not sharded."""
+    if not piece.sharded:
+        return flat.copy()
+    import numpy as np
+
+    out = np.zeros(piece.shard_size, dtype=flat.dtype)
+    out[:piece.valid] = flat[piece.offset:piece.offset + piece.valid]
+    return out
+
+
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of ``dtype`` (a name such as ``"float32"``)."""
     key = str(dtype).lower().replace("mindspore.", "")
@@ -107,9 +135,11 @@ class ShardSpec:
 
     @property
     def valid(self) -> int:  # real (non-padding) elements in this rank's shard
-        if not self.sharded:
-            return self.numel
-        return max(0, min(self.numel, self.offset + self.shard_size) - self.offset)
+        return valid_elements(self.numel, self.sharded, self.offset, self.shard_size)
+
+    @property
+    def per_rank(self) -> bool:  # a buffer each rank keeps its own value of (see is_per_rank)
+        return is_per_rank(self.reason)
 
     @property
     def local_numel(self) -> int:  # elements this rank stores for the parameter's sharded state

@@ -16,15 +16,15 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from .comm import World, resolve_world
 from .config import MixedPrecision, ZeroConfig
-from .estimate import kept_fp32
+from .estimate import param_infos
 from .optim import check_optimizer, offload_update, repoint_optimizer, shard_optimizer, state_tuples
 from .materialize import materialize
-from .plan import ParamInfo, PartitionPlan
+from .plan import PartitionPlan
 from .shard import check_pynative_recompute, make_shard, shard_network_parameters
-from .comm_plan import CommShape, format_comm, spec_buckets, step_calls
+from .comm_plan import CommShape, format_comm, step_buckets, step_calls
 from .config import parse_comm_fusion
-from .train_step import (ALL_REDUCE, OWN_SLICE, REDUCE_SCATTER, REPLICATED, SHARD, GatherInto, MasterPair, Reduction,
-                         WriteBack, ZeroEMA, ZeroTrainOneStepCell)
+from .state import MasterPair, ParamState, ZeroState
+from .train_step import ZeroEMA, ZeroTrainOneStepCell
 
 logger = logging.getLogger("mindzero")
 
@@ -154,12 +154,7 @@ def check_same_values(plan: PartitionPlan, digests: dict, world: World) -> None:
 def build_plan(network, optimizer, world: World, precision: MixedPrecision = MixedPrecision()) -> PartitionPlan:
     """The partition plan of ``network``'s parameters for this rank, in ``network.get_parameters()`` order
     (dtypes as held: ``param_dtype`` for the optimized parameters of a mixed-precision run)."""
-    optimized = {id(p) for p in optimizer.parameters}
-    keep = kept_fp32(network) if precision.enabled else set()
-    infos = [ParamInfo(p.name, tuple(p.shape), precision.held(str(p.dtype).lower(), id(p) in optimized, id(p) in keep),
-                       id(p) in optimized, bool(getattr(p, "parallel_optimizer", True)))
-             for p in network.get_parameters()]
-    return PartitionPlan.build(infos, world.group_size, world.rank)
+    return PartitionPlan.build(param_infos(network, precision, optimizer), world.group_size, world.rank)
 
 
 def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates=0, drop_overflow_update=True,
@@ -230,8 +225,9 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
         raise ValueError(f"stage3_regather must be a bool, got {stage3_regather!r}")
     if not isinstance(network, nn.Cell):
         raise TypeError(f"network must be a mindspore.nn.Cell, got {type(network).__name__}")
-    train_net = _build(network, optimizer, config, scale_sense, ema, updates, optimizer_offload,
-                       optimizer_parallel_group, dp_group, comm_fusion, parallel_modules, stage3_regather)
+    train_net = _build(network, optimizer, config, _Options(scale_sense, ema, updates, optimizer_offload,
+                                                            optimizer_parallel_group, dp_group, comm_fusion,
+                                                            parallel_modules, stage3_regather))
     # the replaced full tensors (parameters at stage 3, optimizer states from stage 1) sit in reference
     # cycles of MindSpore objects: collect them now (measured: 380 MiB on a 105M GPT at stage 3), not
     # whenever the cyclic collector next runs; prepare's own references are gone by here
@@ -272,46 +268,63 @@ def _from_settings(config, given: dict) -> dict:
     return {**given, **kwargs}
 
 
-def _build(network, optimizer, config, scale_sense, ema, updates, optimizer_offload, optimizer_parallel_group,
-           dp_group, comm_fusion, parallel_modules, stage3_regather):
-    fusion = parse_comm_fusion(comm_fusion)
-    world = resolve_world(optimizer_parallel_group, dp_group)
-    _check_options(optimizer_offload, parallel_modules)
-    ema_decay = _ema_decay(ema, updates)
-    policy = config.policy
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The arguments of ``prepare_train_network`` that are not the network, the optimizer or the
+    :class:`ZeroConfig`."""
+
+    scale_sense: object
+    ema: object
+    updates: int
+    optimizer_offload: bool
+    optimizer_parallel_group: object
+    dp_group: object
+    comm_fusion: object
+    parallel_modules: object
+    stage3_regather: bool
+
+
+def _build(network, optimizer, config: ZeroConfig, options: _Options):
+    fusion = parse_comm_fusion(options.comm_fusion)
+    world = resolve_world(options.optimizer_parallel_group, options.dp_group)
+    _check_options(options.optimizer_offload, options.parallel_modules)
+    ema_decay = _ema_decay(options.ema, options.updates)
+    policy, precision = config.policy, config.precision
     check_optimizer(optimizer, {p.name: p for p in network.get_parameters()}, policy.shard_optimizer_states)
-    precision = config.precision
     check_precision(precision, optimizer, world)
-    scale_param, manager = _scale_sense(scale_sense)
-    if optimizer_offload:
+    scale_param, manager = _scale_sense(options.scale_sense)
+    if options.optimizer_offload:
         offload_update(optimizer)
     plan = build_plan(network, optimizer, world, precision)
     check_same_plan(plan, world, config.zero_stage)
-    specs = {s.name: s for s in plan}
-    opt_params = list(optimizer.parameters)
-    opt_specs = [specs[p.name] for p in opt_params]
-    # what the reductions move: the gradients in reduce_dtype (mixed precision), else as held
-    reduce_specs = [dataclasses.replace(s, dtype=precision.reduce_dtype) if precision.enabled else s
-                    for s in opt_specs]
-    sharded = [s.sharded and policy.shard_optimizer_states for s in opt_specs]
+    regather = options.stage3_regather and ms.get_context("mode") == ms.GRAPH_MODE
+    state = ZeroState(config, world, plan, fusion, _param_states(optimizer, plan, config), regather=regather,
+                      scale_sense=scale_param, loss_scale_manager=manager)
+    state.micro, state.boundary, state.gather = step_buckets(state.params, policy, fusion)
     digests = {}
-    weights, write_back, state_attrs = _shard_state(network, optimizer, opt_params, opt_specs, sharded, specs, config,
-                                                    world, fusion, stage3_regather, digests)
+    state.state_attrs = _shard_state(network, optimizer, state, options.stage3_regather, digests)
     check_same_values(plan, digests, world)
-    micro, boundary, norm, buffers = _gradient_path(opt_params, reduce_specs, sharded, config, world, fusion)
-    ema = None
+    _accumulation_buffers(state)
     if ema_decay is not None:
-        ema = ZeroEMA(weights, ema_decay, updates, ms.float32 if precision.enabled else None)
-    train_net = ZeroTrainOneStepCell(network, optimizer, weights, micro, boundary, norm, write_back, buffers,
-                                     scale_param, manager, config, world, ema)
-    calls = {emulated: step_calls(opt_specs, sharded, policy, CommShape(world.group_size, world.world_size, emulated),
-                                  fusion, config.gradient_accumulation_steps, config.clip_grad,
-                                  stage3_regather and ms.get_context("mode") == ms.GRAPH_MODE, reduce_specs)
+        state.ema = ZeroEMA(state.weights, ema_decay, options.updates, ms.float32 if precision.enabled else None)
+    train_net = ZeroTrainOneStepCell(network, optimizer, state)
+    calls = {emulated: tuple(step_calls(state, CommShape(world.group_size, world.world_size, emulated)))
              for emulated in (False, True)}
-    train_net.zero_info = ZeroInfo(config, world, plan, tuple(state_attrs), write_back, tuple(buffers),
-                                   tuple(p.name for p in opt_params), fusion, tuple(calls[world.emulated]),
-                                   tuple(calls[False]))
+    state.calls, state.real_calls = calls[world.emulated], calls[False]
+    train_net.zero_info = state
     return train_net
+
+
+def _param_states(optimizer, plan: PartitionPlan, config: ZeroConfig) -> tuple:
+    """A :class:`ParamState` per optimizer parameter (optimizer order): its plan entry, the entry as its
+    gradient is reduced (``reduce_dtype`` with mixed precision) and whether the stage shards it."""
+    precision, out = config.precision, []
+    for p in optimizer.parameters:
+        spec = plan[p.name]
+        reduce_spec = dataclasses.replace(spec, dtype=precision.reduce_dtype) if precision.enabled else spec
+        out.append(ParamState(p.name, p, spec, reduce_spec, spec.sharded and config.policy.shard_optimizer_states,
+                              weight=p, target=p))
+    return tuple(out)
 
 
 def check_precision(precision: MixedPrecision, optimizer, world: World) -> None:
@@ -360,45 +373,41 @@ def plan_text(train_net) -> str:
     return "\n".join(lines)
 
 
-def _shard_state(network, optimizer, opt_params, opt_specs, sharded, specs, config, world, fusion, regather,
-                 digests):
-    """Stage 3: network parameters become shards; stages 1-2: master shards plus the all-gather that writes
-    them back; stages 1-3: the optimizer is re-pointed at shards; mixed precision: every optimized parameter
-    gets an fp32 master (its stage 1-2 master shard, else a copy of what the network holds), which the
-    optimizer updates, and the network's copy is cast to ``param_dtype``. Lazily built Parameters
-    (:func:`mindzero.lazy_init`) are materialised one tensor at a time: shards where the stage shards,
-    full values where it keeps them; ``digests`` receives the CRC32 of every full value computed.
+def _shard_state(network, optimizer, state: ZeroState, regather: bool, digests: dict) -> tuple:
+    """Fill each :class:`ParamState`'s weight, target and master: stage 3: network parameters become shards;
+    stages 1-2: master shards, all-gathered back after the update; stages 1-3: the optimizer is re-pointed at
+    shards; mixed precision: every optimized parameter gets an fp32 master (its stage 1-2 master shard, else a
+    copy of what the network holds), which the optimizer updates, and the network's copy is cast to
+    ``param_dtype``. Lazily built Parameters (:func:`mindzero.lazy_init`) are materialised one tensor at a
+    time: shards where the stage shards, full values where it keeps them; ``digests`` receives the CRC32 of
+    every full value computed.
 
     Returns:
-        ``(weights, write_back, state_attrs)``: what gradients are taken w.r.t. (optimizer order), the
-        :class:`WriteBack` of the updated masters into the network's parameters (``None`` when the
-        optimizer updates the network's own), and the optimizer's state-tuple attribute names.
+        the optimizer's state-tuple attribute names.
     """
-    policy, precision = config.policy, config.precision
-    weights, targets, pairs = opt_params, opt_params, []
+    policy, precision, world = state.config.policy, state.config.precision, state.world
+    specs = {s.name: s for s in state.plan}
     if policy.shard_parameters:
         check_pynative_recompute(network, specs)
         shards = shard_network_parameters(network, specs, world, regather, digests, precision.reduce_dtype)
-        weights = targets = [shards[p.name] if flag else p for p, flag in zip(opt_params, sharded)]
+        for ps in state.params:
+            if ps.sharded:  # the network holds the shard now; keep no reference to the full Parameter
+                ps.weight = ps.target = shards[ps.name]
+                ps.param = None
     elif policy.shard_optimizer_states:
-        targets = []
-        for p, spec, flag in zip(opt_params, opt_specs, sharded):
-            if not flag:
-                targets.append(p)
-                continue
-            master = make_shard(materialize(p), spec, "zero_master." + p.name, digests=digests)
-            targets.append(master)
-            pairs.append(MasterPair(master, p, True))
-    gathered = list(pairs)  # stage 1-2 master shards: all-gathered into the network's full parameters
+        for ps in state.params:
+            if ps.sharded:
+                ps.target = make_shard(materialize(ps.param), ps.spec, "zero_master." + ps.name, digests=digests)
+                ps.master = MasterPair(ps.target, ps.param, True)
     if precision.enabled:  # the rest held in param_dtype get an fp32 copy, written back locally
-        targets = list(targets)
-        for i, (p, w) in enumerate(zip(opt_params, weights)):
-            if targets[i] is w and opt_specs[i].dtype == precision.param_dtype:
-                materialize(w, digests if w is p else None)
-                targets[i] = Parameter(Tensor(w.asnumpy(), ms.float32), name="zero_master." + p.name)
-                pairs.append(MasterPair(targets[i], w, False))
+        for ps in state.params:
+            if ps.target is ps.weight and ps.spec.dtype == precision.param_dtype:
+                materialize(ps.weight, digests if ps.weight is ps.param else None)
+                ps.target = Parameter(Tensor(ps.weight.asnumpy(), ms.float32), name="zero_master." + ps.name)
+                ps.master = MasterPair(ps.target, ps.weight, False)
+    targets = [ps.target for ps in state.params]
     if policy.shard_optimizer_states:
-        state_attrs = shard_optimizer(optimizer, opt_specs, targets)
+        state_attrs = shard_optimizer(optimizer, [ps.spec for ps in state.params], targets)
     else:
         state_attrs = repoint_optimizer(optimizer, targets) if precision.enabled else tuple(state_tuples(optimizer))
     # what stays full (stage 0, replicated parameters, buffers, step counters)
@@ -407,73 +416,23 @@ def _shard_state(network, optimizer, opt_params, opt_specs, sharded, specs, conf
     for p in optimizer.get_parameters():
         materialize(p)
     if precision.enabled:
-        for w, spec in zip(weights, opt_specs):
-            if spec.dtype == precision.param_dtype:
-                w.set_dtype(getattr(ms, spec.dtype))
-    if not pairs:
-        return weights, None, state_attrs
-    gather = None
-    if gathered:
-        gather_specs = [specs[pair.held.name] for pair in gathered]
-        gather = GatherInto([(b, [gather_specs[i] for i in b])
-                             for b in spec_buckets(gather_specs, fusion, "allgather")], world)
-    return weights, WriteBack(gather, pairs), state_attrs
+        for ps in state.params:
+            if ps.spec.dtype == precision.param_dtype:
+                ps.weight.set_dtype(getattr(ms, ps.spec.dtype))
+    return tuple(state_attrs)
 
 
-def _gradient_path(opt_params, opt_specs, sharded, config, world, fusion):
-    """The micro-step and boundary reductions (bucketed per ``comm_fusion``), what each gradient adds to
-    the global norm, and (with accumulation) the buffers: full at stages 0-1, shards from stage 2.
-    ``opt_specs``: the gradients as reduced (``reduce_dtype`` in a mixed-precision run).
-
-    Returns:
-        ``(micro, boundary, norm, accum_buffers)``: two :class:`Reduction` cells, per gradient
-        ``(norm kind, padding)`` (see :mod:`mindzero.train_step`), and the buffers.
-    """
-    policy = config.policy
-    n = len(opt_params)
-
-    def units(positions, kind, fusion_kind):
-        specs = [opt_specs[i] for i in positions]
-        return [(tuple(positions[j] for j in b), kind, [specs[j] for j in b])
-                for b in spec_buckets(specs, fusion, fusion_kind)]
-
-    sharded_pos = [i for i in range(n) if sharded[i]]
-    micro, boundary = [], []
-    if policy.shard_parameters:
-        pass  # sharded gradients arrive reduced from GatherFull's bprop
-    elif policy.shard_gradients:
-        micro = units(sharded_pos, REDUCE_SCATTER, "reduce_scatter")
-    elif policy.shard_optimizer_states:
-        boundary = units(sharded_pos, REDUCE_SCATTER, "reduce_scatter")
-    boundary += units([i for i in range(n) if not sharded[i]], ALL_REDUCE, "allreduce")
-    # at clip time a plan-sharded gradient is a shard from stage 1 on, full at stage 0 (this rank counts its slice)
-    norm = [(SHARD if flag else OWN_SLICE if spec.sharded else REPLICATED, spec.padding)
-            for spec, flag in zip(opt_specs, sharded)]
-    buffers = []
-    if config.gradient_accumulation_steps > 1:
-        for p, spec, flag in zip(opt_params, opt_specs, sharded):
-            shape = (spec.shard_size,) if (flag and policy.shard_gradients) else tuple(p.shape)
-            dtype = getattr(ms, spec.dtype) if config.precision.enabled else p.dtype
-            buffers.append(Parameter(ops.zeros(shape, dtype), name="zero_accum." + p.name, requires_grad=False))
-    widen = config.precision.enabled  # the optimizer updates fp32 masters: widen after the reduction
-    return (Reduction(n, micro, world), Reduction(n, boundary, world, scale=True, widen=widen), norm, buffers)
+def _accumulation_buffers(state: ZeroState) -> None:
+    """With ``gradient_accumulation_steps > 1``, each :class:`ParamState`'s buffer: a shard from stage 2
+    (sharded parameters), else full; in ``reduce_dtype`` with mixed precision."""
+    config = state.config
+    if config.gradient_accumulation_steps == 1:
+        return
+    for ps in state.params:
+        shard = ps.sharded and config.policy.shard_gradients
+        shape = (ps.reduce_spec.shard_size,) if shard else tuple(ps.spec.shape)
+        dtype = getattr(ms, ps.reduce_spec.dtype) if config.precision.enabled else ps.weight.dtype
+        ps.accum = Parameter(ops.zeros(shape, dtype), name="zero_accum." + ps.name, requires_grad=False)
 
 
-class ZeroInfo:
-    """What mindzero built for a train step (read by memory reports, checkpoints and tools)."""
-
-    def __init__(self, config, world, plan, state_attrs, write_back, accum_buffers, opt_param_names, fusion, calls,
-                 real_calls):
-        self.config = config
-        self.precision = config.precision
-        self.world = world
-        self.plan = plan
-        self.state_attrs = state_attrs  # the optimizer's per-parameter state tuples
-        # MasterPair per master the optimizer updates (stages 1-2 shards; with param_dtype every parameter)
-        self.master_pairs = write_back.pairs if write_back is not None else ()
-        self.master_shards = tuple(pair.master for pair in self.master_pairs)
-        self.accum_buffers = accum_buffers
-        self.opt_param_names = opt_param_names  # full parameter names in optimizer order
-        self.fusion = fusion  # FusionConfig: bucket bytes per collective kind
-        self.calls = calls  # comm_plan.Call per collective of one optimizer step, as this backend runs them
-        self.real_calls = real_calls  # the same with real reduce-scatter and sub-group collectives
+ZeroInfo = ZeroState  # the name earlier versions gave train_net.zero_info's class

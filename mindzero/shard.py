@@ -25,7 +25,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from .comm import ReduceScatterSum, World, shard_gather
-from .plan import ShardSpec
+from .plan import ShardSpec, shard_of_flat
 
 SHARD_SUFFIX = "_zero_shard"
 GATHER_PREFIX = "_zero_gather_"
@@ -36,11 +36,7 @@ def shard_array(full: np.ndarray, spec: ShardSpec) -> np.ndarray:
     flat = np.ascontiguousarray(full).reshape(-1)
     if flat.size != spec.numel:
         raise ValueError(f"tensor for {spec.name!r} has {flat.size} elements, the plan says {spec.numel}")
-    if not spec.sharded:
-        return flat.copy()
-    out = np.zeros(spec.shard_size, dtype=flat.dtype)
-    out[:spec.valid] = flat[spec.offset:spec.offset + spec.valid]
-    return out
+    return shard_of_flat(flat, spec)
 
 
 def make_shard(param, spec: ShardSpec, name: str, requires_grad: bool = True, digests=None) -> Parameter:

@@ -40,6 +40,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 from pathlib import Path
 
+from .config import stage_policy
+from .plan import is_per_rank, valid_elements
+
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: no checksums (read without verification)
 COMPLETE = "COMPLETE"  # the marker file written last into a finished checkpoint directory
@@ -74,9 +77,12 @@ class TensorEntry:
     @property
     def valid(self) -> int:
         """Real (non-padding) elements in this rank's piece."""
-        if not self.sharded:
-            return self.numel
-        return max(0, min(self.numel, self.offset + self.shard_size) - self.offset)
+        return valid_elements(self.numel, self.sharded, self.offset, self.shard_size)
+
+    @property
+    def per_rank(self) -> bool:
+        """A parameter each rank keeps its own value of (:func:`mindzero.plan.is_per_rank`)."""
+        return self.kind == "parameter" and is_per_rank(self.replicated_reason)
 
 
 @dataclass(frozen=True)
@@ -168,22 +174,25 @@ def placement(kind: str, stage: int, plan_sharded: bool, per_rank: bool, rank: i
     buffers go to the rank's own file; identical replicated tensors are written once, by rank 0,
     into ``network.<fmt>`` (full network parameters, stages 0-2) or ``rank_0.<fmt>``.
     """
-    sharded = plan_sharded and ((kind in ("parameter", "ema") and stage == 3)
-                                or (kind in ("optimizer_state", "master") and stage >= 1))
+    policy = stage_policy(stage)
+    sharded = plan_sharded and ((kind in ("parameter", "ema") and policy.shard_parameters)
+                                or (kind in ("optimizer_state", "master") and policy.shard_optimizer_states))
     if sharded or per_rank:
         return sharded, f"rank_{rank}.{fmt}"
-    if kind == "parameter" and stage < 3:
+    if kind == "parameter" and not policy.shard_parameters:
         return False, f"network.{fmt}"
     return False, f"rank_0.{fmt}"
 
 
-def entry_at(name: str, kind: str, param: str, shape, dtype: str, spec, per_rank: bool, stage: int, rank: int,
-             fmt: str) -> TensorEntry:
-    """The :class:`TensorEntry` of one tensor placed by :func:`placement`; ``spec`` is its parameter's
-    :class:`mindzero.plan.ShardSpec` for ``rank`` (``None`` for scalars)."""
+def entry_at(name: str, kind: str, shape, dtype: str, spec, stage: int, fmt: str) -> TensorEntry:
+    """The :class:`TensorEntry` of one tensor placed by :func:`placement` in a checkpoint of ``stage``;
+    ``spec`` is its parameter's :class:`mindzero.plan.ShardSpec` for the rank that stores it (``None`` for
+    scalars, which rank 0 stores)."""
+    per_rank = kind == "parameter" and spec is not None and spec.per_rank
+    rank = spec.rank if spec is not None else 0
     sharded, file = placement(kind, stage, bool(spec and spec.sharded), per_rank, rank, fmt)
     shape = tuple(shape)
-    return TensorEntry(name, kind, param, shape, dtype, sharded, spec.reason if spec else "",
+    return TensorEntry(name, kind, spec.name if spec else "", shape, dtype, sharded, spec.reason if spec else "",
                        spec.shard_size if sharded else math.prod(shape), spec.padding if sharded else 0,
                        spec.offset if sharded else 0, file, name)
 

@@ -35,6 +35,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from .runtime import release_host_memory
 from .comm import (AllGather, AllReduceSum, AnyRank, Bucket, FusedAllGather, FusedAllReduceSum, FusedReduceScatterSum,
                    ReduceScatterSum, World, own_shard, pick)
+from .state import OWN_SLICE, REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
 
 # Per-tensor work is written as kernels mapped over the gradient tuple with ``ops.Map`` (MindSpore's own
 # idiom, ``nn/wrap/grad_reducer.py``): the graph holds one call per tensor, and nothing grows a tuple one
@@ -58,8 +59,6 @@ _ema_update = ops.MultitypeFuncGraph("mindzero_ema_update")
 _cast_to = ops.MultitypeFuncGraph("mindzero_cast_to")
 _write_cast = ops.MultitypeFuncGraph("mindzero_write_cast")
 
-ALL_REDUCE, REDUCE_SCATTER = 1, 2  # Reduction unit kinds
-REPLICATED, SHARD, OWN_SLICE = 0, 1, 2  # what a gradient is at clip time, for the norm
 
 
 @_reduce_unit.register("Tuple", "Function", "Tuple", "Tuple")
@@ -191,10 +190,9 @@ class _SumShard(nn.Cell):
 
 
 class Reduction(nn.Cell):
-    """Reduce a tuple of gradients unit by unit: a unit is ``(positions, kind, specs)``, ``kind``
-    :data:`ALL_REDUCE` (sum over the world, full tensors) or :data:`REDUCE_SCATTER` (sum over the world,
-    this rank's padded 1D shard); one collective per unit (one tensor per unit without ``comm_fusion``,
-    a bucket with it). Positions in no unit pass through. With ``scale`` every output is multiplied by
+    """Reduce a tuple of gradients bucket by bucket (:class:`~mindzero.state.CommBucket`, kind
+    ``ALL_REDUCE``: sum over the world, full tensors; ``REDUCE_SCATTER``: sum over the world, this rank's
+    padded 1D shard); one collective per bucket (one tensor per bucket without ``comm_fusion``). Positions in no unit pass through. With ``scale`` every output is multiplied by
     ``factor`` right after its collective (as ``DistributedGradReducer`` does with the mean), so no second
     full copy of the gradients is made later; with ``widen`` (mixed precision) it is cast to fp32 first.
 
@@ -205,21 +203,22 @@ class Reduction(nn.Cell):
         super().__init__(auto_prefix=False)
         self.scale = scale
         self.widen = widen
-        self.positions = tuple(tuple(pos) for pos, _, _ in units)
+        self.positions = tuple(tuple(u.positions) for u in units)
         self.per_tensor = all(len(pos) == 1 for pos in self.positions)
         if self.per_tensor:  # one Map over the gradients, each with its reducer (the common case)
             keep, sum_all, sum_shard = _Keep(), _SumAll(world), _SumShard(world)
             reducers, paddings = [keep] * n, [0] * n
-            for (i,), kind, (spec,) in units:
-                reducers[i] = sum_shard if kind == REDUCE_SCATTER else sum_all
+            for u in units:
+                (i,), (spec,) = u.positions, u.specs
+                reducers[i] = sum_shard if u.kind == REDUCE_SCATTER else sum_all
                 paddings[i] = spec.padding
             self.reducers, self.paddings = tuple(reducers), tuple(paddings)
             self.reducer_cells = nn.CellList([keep, sum_all, sum_shard])
             return
         allreduce, reduce_scatter = FusedAllReduceSum(world), FusedReduceScatterSum(world)
         self.reducer_cells = nn.CellList([allreduce, reduce_scatter])
-        self.reducers = tuple(reduce_scatter if kind == REDUCE_SCATTER else allreduce for _, kind, _ in units)
-        self.buckets = tuple(Bucket.of(specs) for _, _, specs in units)
+        self.reducers = tuple(reduce_scatter if u.kind == REDUCE_SCATTER else allreduce for u in units)
+        self.buckets = tuple(Bucket.of(u.specs) for u in units)
         unit_of, index_of = [-1] * n, [0] * n
         for u, pos in enumerate(self.positions):
             for j, i in enumerate(pos):
@@ -239,13 +238,13 @@ class GatherInto(nn.Cell):
     """Stages 1-2: all-gather updated master shards and write each into its full network parameter
     (one all-gather per ``comm_fusion`` bucket; per tensor without fusion).
 
-    ``units`` are ``(positions, specs)`` into the ``fulls`` / ``shards`` tuples.
+    ``units``: :class:`~mindzero.state.CommBucket` whose positions index the ``fulls`` / ``shards`` tuples.
     """
 
     def __init__(self, units, world: World):
         super().__init__(auto_prefix=False)
-        self.positions = tuple(tuple(pos) for pos, _ in units)
-        self.buckets = tuple(Bucket.of(specs) for _, specs in units)
+        self.positions = tuple(tuple(u.positions) for u in units)
+        self.buckets = tuple(Bucket.of(u.specs) for u in units)
         self.per_tensor = all(len(pos) == 1 for pos in self.positions)
         self.gather = AllGather(world) if self.per_tensor else FusedAllGather(world)
         self.gathers = (self.gather,) * len(units)  # mapped with the units (see the note at the top)
@@ -259,26 +258,17 @@ class GatherInto(nn.Cell):
         return ops.depend(after, done)
 
 
-class MasterPair:
-    """A master the optimizer updates and the network parameter it is written back into after each update:
-    ``shard_of_full``: the master is a stage 1-2 shard of the full ``held`` (all-gathered back), else it has
-    ``held``'s shape (stage 0 and replicated parameters, stage-3 shards: cast and assigned locally)."""
-
-    def __init__(self, master, held, shard_of_full: bool):
-        self.master, self.held, self.shard_of_full = master, held, shard_of_full
-
-
 class WriteBack(nn.Cell):
     """After the optimizer step: stages 1-2 all-gather the updated master shards into the full parameters
     (:class:`GatherInto`, in the parameters' dtype); with ``param_dtype`` every other master is cast to
     ``param_dtype`` and assigned to its network parameter (no communication)."""
 
-    def __init__(self, gather, pairs):
+    def __init__(self, state: ZeroState):
         super().__init__(auto_prefix=False)
-        self.pairs = tuple(pairs)
-        self.has_gather = gather is not None
+        pairs = self.pairs = state.master_pairs
+        self.has_gather = any(pair.shard_of_full for pair in pairs)
         if self.has_gather:
-            self.gather = gather
+            self.gather = GatherInto(state.gather, state.world)
             self.fulls = ParameterTuple([pair.held for pair in pairs if pair.shard_of_full])
             self.shards = ParameterTuple([pair.master for pair in pairs if pair.shard_of_full])
         local = [pair for pair in pairs if not pair.shard_of_full]
@@ -328,43 +318,45 @@ class ZeroTrainOneStepCell(nn.Cell):
     optimizer re-pointing); this Cell only orders them.
     """
 
-    def __init__(self, network, optimizer, weights, micro, boundary, norm, write_back, accum_buffers, scale_sense,
-                 manager, config, world, ema=None):
+    def __init__(self, network, optimizer, state: ZeroState):
         super().__init__(auto_prefix=False)
+        config, world = state.config, state.world
         self.network = network
         self.network.set_grad()
         self.optimizer = optimizer
-        self.weights = ParameterTuple(weights)
+        self.weights = ParameterTuple(state.weights)
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
-        self.micro = micro  # Reduction: stage 2's reduce-scatter of each micro-step's gradients
-        self.boundary = boundary  # Reduction: the reductions at the accumulation boundary
+        n = len(state.params)
+        self.micro = Reduction(n, state.micro, world)  # stage 2's reduce-scatter of each micro-step's gradients
+        # the reductions at the accumulation boundary; mixed precision widens to fp32 (the optimizer's masters)
+        self.boundary = Reduction(n, state.boundary, world, scale=True, widen=config.precision.enabled)
         # per gradient (optimizer order): (norm kind, padding) for the clip norm (see _norm_sq_one)
-        self.norm_kinds = tuple(kind for kind, _ in norm)
-        self.norm_paddings = tuple(padding for _, padding in norm)
-        self.has_sharded_norm = any(kind != REPLICATED for kind, _ in norm)
+        self.norm_kinds = tuple(ps.norm_kind for ps in state.params)
+        self.norm_paddings = tuple(ps.reduce_spec.padding for ps in state.params)
+        self.has_sharded_norm = any(kind != REPLICATED for kind in self.norm_kinds)
         self.rank, self.group_size = world.rank, world.group_size
-        self.has_write_back = write_back is not None
+        self.has_write_back = bool(state.master_pairs)
         if self.has_write_back:
-            self.write_back = write_back
+            self.write_back = WriteBack(state)
         # mixed precision: gradients are reduced (and accumulated) in reduce_dtype
         self.reduce_dtype = getattr(ms, config.precision.reduce_dtype) if config.precision.enabled else None
         self.accum_steps = config.gradient_accumulation_steps
         self.world_size = world.world_size
         if self.accum_steps > 1:
-            self.accum_buffers = ParameterTuple(accum_buffers)
+            self.accum_buffers = ParameterTuple(state.accum_buffers)
             self.micro_step = Parameter(Tensor(0, ms.int32), name="zero_micro_step", requires_grad=False)
-        self.scale_sense = scale_sense
-        self.has_manager = manager is not None
+        self.scale_sense = state.scale_sense
+        self.has_manager = state.loss_scale_manager is not None
         if self.has_manager:
-            self.loss_scaling_manager = manager
+            self.loss_scaling_manager = state.loss_scale_manager
         self.drop_overflow_update = config.drop_overflow_update
         self.clip_grad = config.clip_grad
         self.clip_norm = float(config.clip_norm)
         self.any_rank = AnyRank(world)
         self.sum_over_group = AllReduceSum(world, "op")  # each shard once, not once per replica
-        self.has_ema = ema is not None
+        self.has_ema = state.ema is not None
         if self.has_ema:
-            self.ema = ema
+            self.ema = state.ema
         self.set_train(True)
         self._compiled = False
 

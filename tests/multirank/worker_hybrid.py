@@ -14,7 +14,8 @@ import numpy as np
 from mindspore import Tensor, nn
 
 import mindzero
-from mindzero.comm import AllReduceSum, AllGather, current_world, register_group, resolve_world
+from mindzero.comm import (AllGather, AllReduceSum, ReduceScatterSum, current_world, register_group, resolve_world,
+                           substitute_collectives)
 from mindzero import start_data_parallel
 from models import build
 from worker_parity import make_optimizer, run
@@ -42,23 +43,32 @@ def scenarios():
     for stage in (3,):  # param_dtype=float16 inside the op groups
         out.append(dict(name=f"mp-h{stage}", model="gpt", opt="sgd", stage=stage, param_dtype="float16",
                         dynamic_scale=True, force_overflow=False, hybrid=True))
+    for stage in (1, 2, 3):  # the GPU/Ascend path: op-group ReduceScatter + dp-group AllReduce, CPU-legal
+        for fused in (False, True):
+            out.append(dict(name=f"real-{'fused-' if fused else ''}h{stage}", model="mixed", opt="adamw_groups",
+                            stage=stage, clip=True, clip_norm=0.05, fusion=fused, hybrid=True, substitute=True))
     return out
 
 
-def check_collectives(world, out_dir):
+def check_collectives(world, out_dir, name="collectives.json"):
     """Group collectives (emulated on CPU) against numpy: op-group all-gather and sum, world sum."""
     n, g, r = world.world_size, world.group_size, world.world_rank
     x = np.full(3, r + 1, np.float32)
     ag = AllGather(world)(Tensor(x)).asnumpy()
     op_sum = AllReduceSum(world, "op")(Tensor(x)).asnumpy()
     world_sum = AllReduceSum(world, "world")(Tensor(x)).asnumpy()
+    # the sum over the world of a (numel,) tensor padded by 1, this rank's shard of the op group
+    y = np.arange(5, dtype=np.float32) * (r + 1)
+    rs = ReduceScatterSum(world)(Tensor(y), 1).asnumpy()
+    expect_rs = np.concatenate([np.arange(5, dtype=np.float32) * (n * (n + 1) / 2), [0]]).reshape(g, -1)[world.rank]
     members = list(world.members)
     result = dict(all_gather_ok=bool(np.array_equal(ag, np.repeat(np.array(members, np.float32) + 1, 3))),
                   op_sum_ok=bool(np.array_equal(op_sum, np.full(3, sum(m + 1 for m in members), np.float32))),
                   world_sum_ok=bool(np.array_equal(world_sum, np.full(3, n * (n + 1) / 2, np.float32))),
+                  reduce_scatter_ok=bool(np.array_equal(rs, expect_rs)), emulated=world.emulated,
                   layout=dict(group_size=g, rank=world.rank, replicas=world.replicas, replica=world.replica,
                               members=members))
-    (out_dir / "collectives.json").write_text(json.dumps(result))
+    (out_dir / name).write_text(json.dumps(result))
 
 
 # per world rank: (op group, dp group) each rank claims, for each broken layout
@@ -128,6 +138,8 @@ def main():
     out_dir = Path(args.out) / f"rank_{flat.world_rank}"
     out_dir.mkdir(parents=True, exist_ok=True)
     check_collectives(world, out_dir)
+    with substitute_collectives():
+        check_collectives(resolve_world(*groups), out_dir, "collectives_substitute.json")
     memory = {}
     for scn in scenarios():
         t = time.time()

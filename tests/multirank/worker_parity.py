@@ -5,6 +5,7 @@ loss scales, final full parameters), ``<out>/rank_<r>/memory.json`` and finally
 ``<out>/rank_<r>.done``; ``test_parity.py`` compares them.
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -15,7 +16,7 @@ import numpy as np
 from mindspore import Tensor, nn
 
 import mindzero
-from mindzero.comm import AnyRank, ReduceScatterSum, AllGather
+from mindzero.comm import AnyRank, ReduceScatterSum, AllGather, substitute_collectives
 from mindzero import start_data_parallel
 from models import build
 
@@ -64,16 +65,18 @@ def run(scn, world, groups=None):
             bucket = sum(p.nbytes for p in net.trainable_params()) // 3
             fusion = {kind: {"openstate": True, "bucket_size": bucket}
                       for kind in ("allreduce", "reduce_scatter", "allgather")}
-        train = mindzero.prepare_train_network(net, opt, scale_sense=scale, zero_stage=scn["stage"],
-                                               comm_fusion=fusion, ema=scn.get("ema"),
-                                               updates=500 if scn.get("ema") else 0,
-                                               optimizer_offload=scn.get("offload", False),
-                                               gradient_accumulation_steps=k, clip_grad=scn.get("clip", False),
-                                               clip_norm=scn.get("clip_norm", 1.0),
-                                               param_dtype=scn.get("param_dtype"),
-                                               reduce_dtype=scn.get("reduce_dtype"),
-                                               **(dict(zip(("optimizer_parallel_group", "dp_group"), groups))
-                                                  if groups else {}))
+        # substitute: the GPU/Ascend code path, CPU-legal primitives (mindzero.comm.substitute_collectives)
+        with substitute_collectives() if scn.get("substitute") else contextlib.nullcontext():
+            train = mindzero.prepare_train_network(net, opt, scale_sense=scale, zero_stage=scn["stage"],
+                                                   comm_fusion=fusion, ema=scn.get("ema"),
+                                                   updates=500 if scn.get("ema") else 0,
+                                                   optimizer_offload=scn.get("offload", False),
+                                                   gradient_accumulation_steps=k, clip_grad=scn.get("clip", False),
+                                                   clip_norm=scn.get("clip_norm", 1.0),
+                                                   param_dtype=scn.get("param_dtype"),
+                                                   reduce_dtype=scn.get("reduce_dtype"),
+                                                   **(dict(zip(("optimizer_parallel_group", "dp_group"), groups))
+                                                      if groups else {}))
     losses, overflows, scales = [], [], []
     for step in range(scn.get("steps", STEPS)):
         if scn["stage"] == "dp" and k > 1:  # plain DP on the concatenated micro-batches
@@ -108,7 +111,9 @@ def run(scn, world, groups=None):
                            for name, v in mindzero.gather_full_state_dict(train, masters=True).items()})
         memory = mindzero.memory_report(train)
     run.last_train = train
-    return dict(losses=np.array(losses), overflows=np.array(overflows), scales=np.array(scales),
+    # emulated False: the GPU/Ascend code path ran (on CPU: substitute_collectives)
+    path = {} if scn["stage"] == "dp" else {"emulated": np.array(train.zero_info.world.emulated)}
+    return dict(losses=np.array(losses), overflows=np.array(overflows), scales=np.array(scales), **path,
                 **{"param/" + n: v for n, v in params.items()}), memory
 
 
@@ -154,6 +159,14 @@ def scenarios(world_size=2):
     for stage in some:  # the clip-<stage> runs with comm_fusion buckets
         out.append(dict(name=f"fused-{stage}", model="mixed", opt="adamw_groups", stage=stage, clip=True,
                         clip_norm=0.05, fusion=True))
+    if full:  # the GPU/Ascend path (real ReduceScatter, fused row layout) with CPU-legal primitives
+        for stage in (1, 2, 3):
+            for fused in (False, True):
+                out.append(dict(name=f"real-{'fused-' if fused else ''}{stage}", model="mixed", opt="adamw_groups",
+                                stage=stage, clip=True, clip_norm=0.05, fusion=fused, substitute=True))
+        out.append(dict(name="real-mp-3", model="mixed", opt="adamw_groups", stage=3, param_dtype="float16",
+                        dynamic_scale=True, substitute=True))
+        out.append(dict(name="real-accum-2", model="awkward", opt="adam", stage=2, accum=4, substitute=True))
     return out
 
 

@@ -2,8 +2,8 @@
 paper's communication volumes (2Φ, 2Φ, 2Φ, 3Φ) and the CPU emulation's extra traffic."""
 import pytest
 
-from mindzero.comm_plan import CommShape, buckets, step_calls, summarize
-from mindzero.config import STAGES, FusionConfig, parse_comm_fusion
+from mindzero.comm_plan import CommShape, buckets, plan_state, step_calls, summarize
+from mindzero.config import FusionConfig, ZeroConfig, parse_comm_fusion
 from mindzero.plan import ParamInfo, PartitionPlan
 
 MIB = 2 ** 20
@@ -38,10 +38,12 @@ def _specs(n, shapes=((1000, 1000), (1000,), (37, 11))):
     return list(plan)
 
 
+def _calls(specs, stage, shape, fusion=FusionConfig(), k=1, clip_grad=False, regather=True):
+    return step_calls(plan_state(specs, ZeroConfig(stage, k, clip_grad), fusion, regather), shape)
+
+
 def _traffic(stage, n, emulated, fusion=FusionConfig(), k=1, **kw):
-    specs = _specs(n)
-    sharded = [stage >= 1 and s.sharded for s in specs]
-    calls = step_calls(specs, sharded, STAGES[stage], CommShape(n, n, emulated), fusion, k, **kw)
+    calls = _calls(_specs(n), stage, CommShape(n, n, emulated), fusion, k, **kw)
     return calls, summarize(calls)
 
 
@@ -76,13 +78,13 @@ def test_cpu_emulation_extra_traffic():
 
 def test_hybrid_and_accumulation_and_clip():
     specs = _specs(2)
-    sharded = [True] * 3
+    assert all(s.sharded for s in specs)
     shape = CommShape(group_size=2, world_size=8, emulated=False)
-    s = summarize(step_calls(specs, sharded, STAGES[2], shape, FusionConfig(), accum_steps=3, clip_grad=True))
+    s = summarize(_calls(specs, 2, shape, k=3, clip_grad=True))
     # stage 2 reduce-scatters every micro-step; hybrid adds a dp all-reduce of each shard
     assert s["reduce_scatter"]["calls"] == 9 and s["all_gather"]["calls"] == 3
     assert s["all_reduce"]["calls"] == 9 + 1 + 1  # dp all-reduces, flag, clip norm
-    emu = summarize(step_calls(specs, sharded, STAGES[2], CommShape(2, 8, True), FusionConfig(), 3, True))
+    emu = summarize(_calls(specs, 2, CommShape(2, 8, True), k=3, clip_grad=True))
     # CPU hybrid: the op-group all-gather is a world all-gather (4 replicas' rows)
     assert emu["all_gather"]["bytes"] == 4 * s["all_gather"]["bytes"]
 

@@ -39,8 +39,9 @@ def write_synthetic(directory, n, stage, fmt="ckpt", seed=0, per_rank_offset=100
                                                           "parameter")
             param = "" if kind == "scalar" else name.replace("adam_m.", "")
             spec = plan[param].for_rank(r) if param else None
-            per_rank = kind == "parameter" and spec.reason == REASON_NOT_OPTIMIZED
-            entry = entry_at(name, kind, param, value.shape, str(value.dtype), spec, per_rank, stage, r, fmt)
+            entry = entry_at(name, kind, value.shape, str(value.dtype), spec, stage, fmt)
+            per_rank = entry.per_rank
+            assert per_rank == (kind == "parameter" and spec.reason == REASON_NOT_OPTIMIZED)
             piece = value + per_rank_offset * r if per_rank else value
             if entry.sharded:
                 flat = np.zeros(spec.shard_size, np.float32)
