@@ -22,6 +22,10 @@ any-rank flag (world)      ``AllReduce(SUM)`` of 0/1            the same (CPU ha
 With a world of one rank every operation is the identity, so one process
 without ``mindspore.communication.init()`` runs every stage.
 
+Tests run the GPU/Ascend column on CPU too: inside :func:`substitute_collectives` worlds are not
+emulated, and :func:`group_primitive` (where that column creates every group primitive) returns CPU-legal
+functions with the primitives' semantics (docs/backends.md).
+
 All collectives here must be entered by **every rank in the same order**; the
 train step guarantees it by building the same plan on every rank.
 """

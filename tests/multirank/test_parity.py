@@ -405,7 +405,8 @@ def test_gpu_ascend_path_equals_the_cpu_path(run, name, ref):
     for r in range(n):
         got, base = load(out, r, name), load(out, r, ref)
         assert not got["emulated"] and base["emulated"] == ON_CPU, "the scenario did not take the path it names"
-        assert_same_run(got, base, f"{name} vs {ref} rank {r}", rtol=0.0)
+        forced = " (forced overflow)" if name == "real-mp-3" else ""  # step 4 has inf in the last rank's input
+        assert_same_run(got, base, f"{name} vs {ref}{forced} rank {r}", rtol=0.0)
         assert got["overflows"].tolist() == base["overflows"].tolist()
 
 

@@ -15,10 +15,8 @@ from pathlib import Path
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn
-from mindspore.communication import init
 
 import mindzero
-from mindzero.comm import current_world
 from models import build
 
 UNITS = 4
@@ -48,10 +46,7 @@ def main():
     ap.add_argument("--phase", choices=("train", "resume"), required=True)
     ap.add_argument("--scenarios", required=True, help="JSON list of {name, model, stage, ckpt[, format]}")
     args = ap.parse_args()
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    init()
-    world = current_world()
+    world = mindzero.start_data_parallel()
     out_dir = Path(args.out) / f"rank_{world.rank}"
     out_dir.mkdir(parents=True, exist_ok=True)
     for scn in json.loads(args.scenarios):

@@ -8,18 +8,17 @@ import time
 from pathlib import Path
 
 import numpy as np
-import mindspore as ms
 from mindspore import Tensor, ops
-from mindspore.communication import get_group_size, get_rank, init
+from mindspore.communication import get_group_size, get_rank
+
+import mindzero
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
 ap.add_argument("--mode", choices=("raise", "kill", "hang"), required=True)
 ap.add_argument("--victim", type=int, default=-1)
 args = ap.parse_args()
-ms.set_context(mode=ms.GRAPH_MODE)
-ms.set_device("CPU")
-init()
+mindzero.start_data_parallel()
 allreduce = ops.AllReduce()
 x = Tensor(np.ones(4, np.float32))
 allreduce(x).asnumpy()

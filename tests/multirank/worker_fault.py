@@ -18,13 +18,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import mindspore as ms
 from mindspore import Tensor, nn
-from mindspore.communication import init
 
 import mindzero
 import mindzero.checkpoint as zc
-from mindzero.comm import current_world
 from models import build
 
 
@@ -85,10 +82,7 @@ def main():
     ap.add_argument("--phase", choices=("kill", "resume"), required=True)
     ap.add_argument("--damaged", default="[]", help="JSON list of checkpoint directories load must refuse")
     args = ap.parse_args()
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    init()
-    world = current_world()
+    world = mindzero.start_data_parallel()
     root = Path(args.root)
     out_dir = Path(args.out) / f"rank_{world.rank}"
     out_dir.mkdir(parents=True, exist_ok=True)
