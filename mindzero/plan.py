@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable
 
 # bytes per element of the dtypes a MindSpore network holds
 DTYPE_BYTES = {
@@ -243,11 +243,3 @@ class PartitionPlan:
         for s in self.replicated:
             lines.append(f"  replicated {s.name} {s.shape}: {s.reason}")
         return "\n".join(lines)
-
-
-def split_flat(values: Sequence, spec: ShardSpec) -> list:
-    """Pure-Python reference of the split: the padded shards of a flat sequence, one per rank."""
-    if len(values) != spec.numel:
-        raise ValueError(f"values must have numel={spec.numel} elements for {spec.name!r}, got {len(values)}")
-    padded = list(values) + [0] * spec.padding
-    return [padded[r * spec.shard_size:(r + 1) * spec.shard_size] for r in range(spec.group_size)]

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from mindzero.plan import (REASON_EMPTY, REASON_NOT_OPTIMIZED, REASON_USER, ParamInfo, PartitionPlan, ShardSpec,
-                           shard_size_for, split_flat)
+                           is_per_rank, shard_of_flat, shard_size_for)
 
 SHAPES = [(7, 15), (17, 257), (1,), (), (4, 4), (3, 1, 5), (1000,), (2, 3, 5, 7)]
 
@@ -50,11 +50,25 @@ def test_hand_computed_scalar_and_one_element_over_4():
         assert specs[0].shard_size == 1 and specs[0].padding == 3
 
 
-def test_split_flat_reference():
+def test_shard_of_flat_pads_and_slices():
+    """The numpy twin of the graph-mode ``comm.own_shard``: zero-pad the flat tensor, take the rank's slice."""
+    import numpy as np
+
     spec = ShardSpec("w", (7,), "float32", 3, 0, True)
-    assert split_flat(list(range(7)), spec) == [[0, 1, 2], [3, 4, 5], [6, 0, 0]]
-    with pytest.raises(ValueError, match="numel=7"):
-        split_flat([1, 2], spec)
+    flat = np.arange(7, dtype=np.float32)
+    assert [shard_of_flat(flat, spec.for_rank(r)).tolist() for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 0, 0]]
+    spec = ShardSpec("w", (2,), "float32", 4, 0, True)  # a rank whose shard is all padding
+    assert [shard_of_flat(flat[:2], spec.for_rank(r)).tolist() for r in range(4)] == [[0], [1], [0], [0]]
+    replicated = ShardSpec("b", (7,), "float32", 3, 1, False, REASON_USER)
+    out = shard_of_flat(flat, replicated)
+    assert out.tolist() == flat.tolist() and out is not flat
+
+
+def test_per_rank_means_not_optimized():
+    assert is_per_rank(REASON_NOT_OPTIMIZED)
+    assert not any(is_per_rank(r) for r in ("", REASON_USER, REASON_EMPTY))
+    plan = PartitionPlan.build([ParamInfo("w", (4,)), ParamInfo("moving_mean", (4,), optimized=False)], 2, 0)
+    assert [s.per_rank for s in plan] == [False, True]
 
 
 def test_plan_build_reasons():
