@@ -43,7 +43,7 @@ def test_training_equals_plain_data_parallel(run, stage):
 
 @pytest.mark.parametrize("launcher,nodes,n,victim,mode", [
     ("msrun", 1, 2, 1, "kill"),
-    ("msrun", 2, 4, 3, "raise"),   # a rank on the second "node"
+    pytest.param("msrun", 2, 4, 3, "raise", marks=pytest.mark.full),   # a rank on the second "node"
     ("mpirun", 1, 2, 1, "kill"),
 ])
 def test_dead_rank_ends_the_job_naming_it(tmp_path, launcher, nodes, n, victim, mode):

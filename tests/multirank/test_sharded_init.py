@@ -21,7 +21,9 @@ MARGIN_MIB = 64  # framework allocations during prepare (the plan check compiles
 STAGES_AT = {2: (0, 1, 2, 3), 4: (1, 3)}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+# 4 ranks: the full tier (tests/conftest.py; the default suite keeps 4 ranks in test_launch's 2-node launch,
+# test_hybrid and test_checkpoint)
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.full)], ids=["2ranks", "4ranks"])
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"init{request.param}")
     msrun(HERE / "worker_init.py", request.param, out, ["--stages", ",".join(map(str, STAGES_AT[request.param]))],
