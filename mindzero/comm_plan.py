@@ -123,13 +123,14 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig) -> tuple:
                      for b in spec_buckets(specs, fusion, fusion_kind))
 
     sharded = [i for i, p in enumerate(params) if p.sharded]
+    master_shards = policy.shard_optimizer_states and not policy.shard_parameters  # stages 1-2
     micro, boundary, gather = (), (), ()
-    if policy.shard_gradients and not policy.shard_parameters:
+    if master_shards and policy.shard_gradients:
         micro = units(sharded, REDUCE_SCATTER, "reduce_scatter")
-    elif policy.shard_optimizer_states and not policy.shard_parameters:
+    elif master_shards:
         boundary = units(sharded, REDUCE_SCATTER, "reduce_scatter")
     boundary += units([i for i, p in enumerate(params) if not p.sharded], ALL_REDUCE, "allreduce")
-    if policy.shard_optimizer_states and not policy.shard_parameters:
+    if master_shards:
         gather = units(sharded, ALL_GATHER, "allgather", held=True, relative=True)
     return micro, boundary, gather
 
@@ -165,8 +166,8 @@ def step_calls(state, shape: CommShape) -> list:
 def plan_state(specs, config, fusion: FusionConfig = FusionConfig(), regather: bool = True, reduce_specs=None):
     """A :class:`~mindzero.state.ZeroState` of ``specs`` (the optimizer's parameters' plan entries, held
     dtype) under ``config`` (a :class:`~mindzero.config.ZeroConfig`), with its buckets, without MindSpore:
-    what :func:`step_calls` needs, for the estimate, benchmarks and tests (``prepare_train_network`` fills
-    the same records with the real tensors)."""
+    what :func:`step_calls` needs, for the unit tests and the benchmark's plain-DP accounting
+    (``prepare_train_network`` fills the same records with the real tensors)."""
     policy = config.policy
     reduce_specs = specs if reduce_specs is None else reduce_specs
     params = tuple(ParamState(s.name, None, s, r, s.sharded and policy.shard_optimizer_states)

@@ -434,5 +434,3 @@ def _accumulation_buffers(state: ZeroState) -> None:
         dtype = getattr(ms, ps.reduce_spec.dtype) if config.precision.enabled else ps.weight.dtype
         ps.accum = Parameter(ops.zeros(shape, dtype), name="zero_accum." + ps.name, requires_grad=False)
 
-
-ZeroInfo = ZeroState  # the name earlier versions gave train_net.zero_info's class

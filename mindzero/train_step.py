@@ -192,7 +192,8 @@ class _SumShard(nn.Cell):
 class Reduction(nn.Cell):
     """Reduce a tuple of gradients bucket by bucket (:class:`~mindzero.state.CommBucket`, kind
     ``ALL_REDUCE``: sum over the world, full tensors; ``REDUCE_SCATTER``: sum over the world, this rank's
-    padded 1D shard); one collective per bucket (one tensor per bucket without ``comm_fusion``). Positions in no unit pass through. With ``scale`` every output is multiplied by
+    padded 1D shard); one collective per bucket (one tensor per bucket without ``comm_fusion``). Positions
+    in no bucket pass through. With ``scale`` every output is multiplied by
     ``factor`` right after its collective (as ``DistributedGradReducer`` does with the mean), so no second
     full copy of the gradients is made later; with ``widen`` (mixed precision) it is cast to fp32 first.
 
