@@ -43,7 +43,7 @@ def main():
     net = MLP()
     train = mindzero.prepare_train_network(net, nn.SGD(net.trainable_params(), 0.01), zero_stage=a.stage,
                                            stage3_regather=not a.no_regather)
-    rng = np.random.RandomState(world.rank)
+    rng = np.random.RandomState(world.world_rank)
     x = Tensor(rng.randn(a.batch, dim).astype(np.float32))
     y = Tensor(np.zeros((a.batch, dim), np.float32))
     times, losses = [], []
@@ -51,8 +51,8 @@ def main():
         t = time.perf_counter()
         losses.append(float(train(x, y)[0].asnumpy()))
         times.append(time.perf_counter() - t)
-    Path(a.out, f"rank_{world.rank}.json").write_text(json.dumps(dict(times=times, losses=losses)))
-    Path(a.out, f"rank_{world.rank}.done").write_text("ok")
+    Path(a.out, f"rank_{world.world_rank}.json").write_text(json.dumps(dict(times=times, losses=losses)))
+    Path(a.out, f"rank_{world.world_rank}.done").write_text("ok")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def main():
             result[mode].append(rec)
             steady.append(step())
             print(f"{mode} save {n}: call {call:.2f}s, step after {after:.2f}s, wait {wait:.2f}s", flush=True)
-    written = sum(p.stat().st_size for p in (root / "sync_1").iterdir() if p.name.startswith(f"rank_{world.rank}."))
+    written = sum(p.stat().st_size for p in (root / "sync_1").iterdir() if p.name.startswith(f"rank_{world.world_rank}."))
     if world.world_rank == 0:
         written += sum(p.stat().st_size for p in (root / "sync_1").iterdir() if p.name.startswith("network."))
     phi = sum(s.numel for s in train.zero_info.plan)

@@ -130,7 +130,7 @@ def dp_comm(net, world):
     from mindzero.plan import ParamInfo, PartitionPlan
 
     specs = list(PartitionPlan.build([ParamInfo(p.name, tuple(p.shape)) for p in net.trainable_params()],
-                                     world.world_size, world.rank))
+                                     world.world_size, world.world_rank))
     calls = step_calls(plan_state(specs, ZeroConfig(0)), CommShape(world.world_size, world.world_size, True))
     s = summarize([c for c in calls if c.nbytes > 4])  # no overflow flag in MindSpore's step
     return {op: s[op] for op in s}

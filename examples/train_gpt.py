@@ -85,9 +85,11 @@ def run_stage(stage, cfg, ids, tok, world, out: Path, resume: bool, stop_after: 
     k, steps = t["gradient_accumulation_steps"], t["steps"]
     run_dir = out / f"stage_{stage}"
     ckpt_root = run_dir / "checkpoints"
-    train = build(cfg, tok.vocab_size, stage, verbose=world.rank == 0)
+    train = build(cfg, tok.vocab_size, stage, verbose=world.world_rank == 0)
     plan = mindzero.memory_report(train)["expected"]
-    log(f"stage {stage}: {world.group_size} ranks, op group {world.group_size}, 1 data-parallel replica; "
+    shards = train.zero_info.world
+    log(f"stage {stage}: {world.world_size} ranks, op group {shards.op_size}, {shards.dp_size} data-parallel "
+        f"replica{'s' if shards.dp_size > 1 else ''}; "
         f"memory plan per rank (MiB): parameters {mib(plan['parameters'])}, gradients {mib(plan['gradients'])}, "
         f"optimizer states {mib(plan['optimizer_states'])}")
     start_step, history = 0, []
@@ -101,7 +103,8 @@ def run_stage(stage, cfg, ids, tok, world, out: Path, resume: bool, stop_after: 
     elif ckpt_root.exists() and any(ckpt_root.iterdir()):  # every rank sees it: all fail, none hangs
         raise FileExistsError(f"--out {out}: {ckpt_root} already holds checkpoints and --no-resume was given; "
                               "use a fresh --out")
-    data = batches(ids, t["batch"], cfg["model"]["seq"], world.rank, world.group_size, seed=1)
+    # every rank its own data: by world rank over the world size (also under hybrid sharding)
+    data = batches(ids, t["batch"], cfg["model"]["seq"], world.world_rank, world.world_size, seed=1)
     for _ in range(start_step * k):  # the data position of the resumed step
         next(data)
     tick, tokens, last_saved = None, 0, start_step
@@ -111,7 +114,7 @@ def run_stage(stage, cfg, ids, tok, world, out: Path, resume: bool, stop_after: 
             x, y = next(data)
             loss, overflow, scale = train(Tensor(x), Tensor(y))
             micro.append(float(loss.asnumpy()))
-            tokens += x.size * world.group_size
+            tokens += x.size * world.world_size
         history.append({"step": step + 1, "loss": float(np.mean(micro)), "scale": float(scale.asnumpy()),
                         "overflow": bool(overflow.asnumpy())})
         if tick is None:
@@ -131,7 +134,7 @@ def run_stage(stage, cfg, ids, tok, world, out: Path, resume: bool, stop_after: 
     held = Tensor(np.array([report[x] for x in KINDS] + [report["expected"][x] for x in KINDS], np.int64))
     per_rank = AllGather(world, "world")(held).asnumpy().reshape(world.world_size, -1)
     final_params = mindzero.gather_full_state_dict(train)
-    if world.rank == 0:
+    if world.world_rank == 0:
         finish(cfg, tok, run_dir, ckpt_root / f"step_{last_saved:06d}", history, stage, log)
     return dict(losses=[h["loss"] for h in history], bytes_per_rank=per_rank.tolist(), params=final_params)
 
@@ -142,7 +145,7 @@ def save(train, ckpt_root, step, history, run_dir, keep, world, log):
         return
     ckpt_root.mkdir(parents=True, exist_ok=True)
     mindzero.save_checkpoint(train, path, step=step)  # collective; complete on every rank when it returns
-    if world.rank == 0:
+    if world.world_rank == 0:
         write_json(run_dir / "history.json", history)
         old = complete_checkpoints(ckpt_root)[:-keep] if keep else []
         for p in old:
@@ -236,14 +239,14 @@ def main():
         r["param_drift_vs_first"] = max(float(np.max(np.abs(params[n] - ref[n])) / max(np.max(np.abs(ref[n])), 1e-12))
                                         for n in params)
         results[stage] = r
-    if world.rank == 0 and results:
+    if world.world_rank == 0 and results:
         write_json(out / "results.json", results)
         if len(results) > 1:
-            print_table(results, world.group_size, tok.vocab_size, log)
+            print_table(results, world.world_size, tok.vocab_size, log)
             curves = [(f"stage {s}", json.loads((out / f"stage_{s}" / "history.json").read_text())) for s in results]
-            plot(curves, out / "loss_all_stages.png", f"GPT on {world.group_size} ranks, ZeRO stages",
+            plot(curves, out / "loss_all_stages.png", f"GPT on {world.world_size} ranks, ZeRO stages",
                  np.log(tok.vocab_size))
-    (out / f"rank_{world.rank}.done").write_text("ok")
+    (out / f"rank_{world.world_rank}.done").write_text("ok")
 
 
 if __name__ == "__main__":

@@ -161,10 +161,10 @@ def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="
     if step is None:
         step = int(train_net.optimizer.global_step.asnumpy().reshape(-1)[0])
     world = info.world
-    split = SplitInfo(run_id, info.config.zero_stage, world.group_size, world.rank, int(step), format,
-                      info.plan.fingerprint(), tuple(e for e, _ in entries), replicas=world.replicas,
-                      replica=world.replica)
-    marker = {"run_id": run_id, "step": int(step), "group_size": world.group_size, "replicas": world.replicas,
+    split = SplitInfo(run_id, info.config.zero_stage, world.op_size, world.op_rank, int(step), format,
+                      info.plan.fingerprint(), tuple(e for e, _ in entries), dp_size=world.dp_size,
+                      dp_rank=world.dp_rank)
+    marker = {"run_id": run_id, "step": int(step), "group_size": world.op_size, "replicas": world.dp_size,
               "weights_only": bool(weights_only)}
     job = _SaveJob(partial, final, split if world.writes_shards else None, state_bytes, world.world_rank,
                    world.world_size, marker)
@@ -213,7 +213,7 @@ class _SaveJob:
         piece once). With hybrid sharding only replica 0 writes (the others hold the same shards)."""
         if self.split is None:
             return []
-        rank = self.split.rank
+        rank = self.split.op_rank
         return [(e, p) for e, p in entries if e.file == f"rank_{rank}.{self.split.format}" or rank == 0]
 
     def write(self) -> None:
@@ -232,7 +232,7 @@ class _SaveJob:
             # every entry of this rank; a shared piece another rank wrote has its checksum in that rank's entry
             self.split = replace(self.split, tensors=tuple(replace(e, crc32=crcs.get(e.name))
                                                            for e in self.split.tensors))
-            self.split.write(self.partial / split_info_name(self.split.rank))
+            self.split.write(self.partial / split_info_name(self.split.op_rank))
         if self.state_bytes is not None:
             write_atomic(self.partial / trainer_state_name(self.world_rank), self.state_bytes)
 
@@ -451,7 +451,7 @@ def _read_for_load(train_net, ckpt_dir) -> list:
                 raise CheckpointError(f"{ckpt_dir}: has no tensor {name!r}")
             continue  # weights-only checkpoint: optimizer state stays as it is
         target = replace(entry, name=name, dtype=src.entry(name).dtype)
-        value = src.piece_for(target, info.world.rank)
+        value = src.piece_for(target, info.world.op_rank)
         if value.size != int(np.prod(p.shape)):
             raise CheckpointError(f"{ckpt_dir}: tensor {name!r} gives shape {value.shape}, the network's "
                                   f"{entry.name!r} has {tuple(p.shape)}")

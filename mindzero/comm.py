@@ -39,77 +39,8 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 from mindspore.ops._grad_experimental.grad_base import bprop_getters
 
-# Backends on which MindSpore registers a real ReduceScatter kernel.
-_REAL_REDUCE_SCATTER = ("GPU", "Ascend")
-
-
-@dataclass(frozen=True)
-class Group:
-    """A communication group as this rank sees it: MindSpore's ``name`` ("" when not initialised), its
-    world ``ranks`` in group order and this rank's ``index`` in it."""
-
-    name: str
-    ranks: tuple
-    index: int
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @staticmethod
-    def of(name: str, ranks, me: int) -> "Group":
-        ranks = tuple(int(r) for r in ranks)
-        return Group(name, ranks, ranks.index(me))
-
-
-@dataclass(frozen=True)
-class World:
-    """This process's communication world: the whole world (``N`` ranks), the op group this rank shards
-    over (``G``) and its dp group (the ranks holding the same shard index in the ``R = N / G`` replicas of
-    the op group; this rank alone without hybrid sharding, where ``G = N``, ``R = 1``).
-
-    The core reads them through the names below; ``group_size``/``rank``/``group`` are the **op group's**
-    (the ranks a tensor is sharded over), ``world_*`` the whole world's.
-    """
-
-    device: str
-    everyone: Group  # the whole world
-    op: Group  # the op group
-    dp: Group  # the dp group; its index is this rank's replica
-    substitute: bool = False  # test-only: the GPU/Ascend path on CPU (see substitute_collectives)
-
-    @staticmethod
-    def flat(device: str, size: int, rank: int, name: str, substitute: bool = False) -> "World":
-        """A world sharded over all of its ranks (no replicas)."""
-        everyone = Group(name, tuple(range(size)), rank)
-        return World(device, everyone, everyone, Group(name, (rank,), 0), substitute)
-
-    group_size = property(lambda self: self.op.size, doc="ranks in the op group (G)")
-    rank = property(lambda self: self.op.index, doc="this rank's shard index in the op group")
-    group = property(lambda self: self.op.name, doc="MindSpore's name of the op group")
-    members = property(lambda self: self.op.ranks, doc="the op group's world ranks in shard order")
-    world_size = property(lambda self: self.everyone.size, doc="ranks in the world (N)")
-    world_rank = property(lambda self: self.everyone.index)
-    world_group = property(lambda self: self.everyone.name)
-    replicas = property(lambda self: self.dp.size, doc="copies of the op group (R = N / G)")
-    replica = property(lambda self: self.dp.index, doc="which copy this rank is in")
-    dp_group = property(lambda self: self.dp.name)
-
-    @property
-    def hybrid(self) -> bool:
-        return self.replicas > 1
-
-    @property
-    def emulated(self) -> bool:
-        """CPU: no ReduceScatter and no collectives on sub-groups; both are emulated with world collectives
-        (unless the test-only :func:`substitute_collectives` runs the GPU/Ascend path instead)."""
-        return self.world_size > 1 and self.device not in _REAL_REDUCE_SCATTER and not self.substitute
-
-    @property
-    def writes_shards(self) -> bool:
-        """Replica 0 writes the shard files of a checkpoint (the other replicas hold the same shards)."""
-        return self.replica == 0
-
+from .deprecation import warn_renamed
+from .layout import Group, World
 
 def current_world() -> World:
     """Size and rank of the initialised world, or a world of one when ``init()`` was not called."""
@@ -118,8 +49,7 @@ def current_world() -> World:
     device = ms.get_context("device_target")
     if not GlobalComm.INITED:
         return World.flat(device, 1, 0, "")
-    substitute = _substituting() and device not in _REAL_REDUCE_SCATTER
-    return World.flat(device, get_group_size(), get_rank(), GlobalComm.WORLD_COMM_GROUP, substitute)
+    return World.flat(device, get_group_size(), get_rank(), GlobalComm.WORLD_COMM_GROUP, _substituting())
 
 
 _WORLD_NAMES = ("hccl_world_group", "nccl_world_group", "mccl_world_group")
@@ -140,9 +70,10 @@ def group_ranks(name: str) -> tuple:
     return tuple(int(r) for r in get_process_group_ranks(name))
 
 
-def create_hybrid_groups(shard_size: int, prefix: str = "mindzero") -> tuple:
+def create_hybrid_groups(op_size: int = None, prefix: str = "mindzero", *, shard_size: int = None) -> tuple:
     """Create the contiguous hybrid layout's groups and return ``(optimizer_parallel_group, dp_group)``
-    for this rank: ranks ``[k*G, (k+1)*G)`` shard together, ``G = shard_size``.
+    for this rank: ranks ``[k*G, (k+1)*G)`` shard together, ``G = op_size`` (``shard_size=``: its deprecated
+    name).
 
     Every rank must call it (after ``init()``). On CPU MindSpore creates the groups but runs no
     collective on them; mindzero's communication module then emulates them (docs/hybrid.md).
@@ -151,11 +82,15 @@ def create_hybrid_groups(shard_size: int, prefix: str = "mindzero") -> tuple:
 
     from .layout import HybridLayout
 
+    if shard_size is not None:
+        warn_renamed("create_hybrid_groups(shard_size=)", "create_hybrid_groups(op_size=)",
+                     "ranks per op group, not elements per shard")
+        op_size = shard_size if op_size is None else op_size
     world = current_world()
-    layout = HybridLayout.contiguous(world.world_size, shard_size)
+    layout = HybridLayout.contiguous(world.world_size, op_size)
     op, dp = layout.op_group_of(world.world_rank), layout.dp_group_of(world.world_rank)
-    names = (f"{prefix}_op{shard_size}_{layout.replica(world.world_rank)}",
-             f"{prefix}_dp{shard_size}_{layout.op_rank(world.world_rank)}")
+    names = (f"{prefix}_op{op_size}_{layout.dp_rank(world.world_rank)}",
+             f"{prefix}_dp{op_size}_{layout.op_rank(world.world_rank)}")
     for name, ranks in zip(names, (op, dp)):
         if name not in _GROUP_RANKS:
             if len(ranks) > 1:
@@ -207,11 +142,11 @@ def resolve_world(optimizer_parallel_group, dp_group) -> World:
                                           f"dp_group ({dp_group!r} on rank {me})")
     except LayoutError as err:
         raise ValueError(f"rank {me}: {err}") from None
-    if layout.replicas == 1:
+    if layout.dp_size == 1:
         return flat
     dp_ranks = layout.dp_group_of(me)  # ordered by replica, so this rank's index is its replica
     return World(flat.device, flat.everyone, Group.of(optimizer_parallel_group, layout.op_group_of(me), me),
-                 Group.of(dp_group, dp_ranks, me), flat.substitute)
+                 Group.of(dp_group, dp_ranks, me), flat.backend)
 
 
 def _gather_views(flat: World, op, dp) -> list:
@@ -329,7 +264,7 @@ class AllGather(nn.Cell):
 
     def __init__(self, world: World, scope: str = "op"):
         super().__init__(auto_prefix=False)
-        size = world.group_size if scope == "op" else world.world_size
+        size = world.op_size if scope == "op" else world.world_size
         self.identity = size == 1
         self.select = None
         self.take = ops.Gather()
@@ -339,9 +274,9 @@ class AllGather(nn.Cell):
         elif scope == "op" and world.hybrid:
             if world.emulated:
                 self.op = ops.AllGather(world.world_group)
-                self.select = Tensor(list(world.members), ms.int32)
+                self.select = Tensor(list(world.op_ranks), ms.int32)
             else:
-                self.op = group_primitive("all_gather", world, world.group, world.members)
+                self.op = group_primitive("all_gather", world, world.op_group, world.op_ranks)
         else:
             self.op = ops.AllGather(world.world_group)
 
@@ -383,11 +318,11 @@ def shard_gather(world: World, numel: int, padding: int, reduce_dtype=None):
     """
     if world.world_size == 1:
         return None, None
-    emulated = world.emulated or world.group_size == 1
+    emulated = world.emulated or world.op_size == 1
     # the forward gathers over the world and keeps the op group's rows where the op group has no
     # collective: CPU, and the test-only substitute (a gather moves values; its result is the same)
     over_world = emulated or not world.hybrid or world.substitute
-    op = ShardGather(world.world_group if over_world else world.group)
+    op = ShardGather(world.world_group if over_world else world.op_group)
     op.zero_numel, op.zero_padding, op.zero_emulated = int(numel), int(padding), emulated
     op.zero_world = world
     # MindSpore caches a primitive's gradient by its name and attributes: make them differ where ours does
@@ -398,7 +333,7 @@ def shard_gather(world: World, numel: int, padding: int, reduce_dtype=None):
         op.add_prim_attr("mindzero_reduce_dtype", str(reduce_dtype))
     select = None
     if over_world and world.hybrid:
-        select = Tensor(list(world.members), ms.int32)
+        select = Tensor(list(world.op_ranks), ms.int32)
     op.zero_select = select
     return op, select
 
@@ -421,7 +356,7 @@ def _shard_gather_bprop(self):
             return (grad,)
         return bprop
     allreduce = ops.AllReduce(ops.ReduceOp.SUM, world.world_group)
-    rank, group_size = world.rank, world.group_size
+    rank, group_size = world.op_rank, world.op_size
 
     def emulated_bprop(x, out, dout):
         grad = dout
@@ -445,7 +380,7 @@ class AllReduceSum(nn.Cell):
 
     def __init__(self, world: World, scope: str = "world"):
         super().__init__(auto_prefix=False)
-        size = world.group_size if scope == "op" else world.world_size
+        size = world.op_size if scope == "op" else world.world_size
         self.identity = size == 1
         self.slots = None
         if self.identity:
@@ -453,11 +388,11 @@ class AllReduceSum(nn.Cell):
         elif scope == "op" and world.hybrid:
             if world.emulated:
                 self.op = ops.AllReduce(ops.ReduceOp.SUM, world.world_group)
-                onehot = [1.0 if k == world.replica else 0.0 for k in range(world.replicas)]
+                onehot = [1.0 if k == world.dp_rank else 0.0 for k in range(world.dp_size)]
                 self.slots = Tensor(onehot, ms.float32)
-                self.replica = world.replica
+                self.replica = world.dp_rank
             else:
-                self.op = group_primitive("all_reduce", world, world.group, world.members)
+                self.op = group_primitive("all_reduce", world, world.op_group, world.op_ranks)
         else:
             self.op = ops.AllReduce(ops.ReduceOp.SUM, world.world_group)
 
@@ -478,7 +413,7 @@ def _reduce_scatter_ops(world: World) -> tuple:
     if world.emulated:
         return ops.AllReduce(ops.ReduceOp.SUM, world.world_group), None
     dp = group_primitive("all_reduce", world, world.dp_group, world.dp.ranks) if world.hybrid else None
-    return group_primitive("reduce_scatter", world, world.group, world.members), dp
+    return group_primitive("reduce_scatter", world, world.op_group, world.op_ranks), dp
 
 
 class ReduceScatterSum(nn.Cell):
@@ -497,8 +432,8 @@ class ReduceScatterSum(nn.Cell):
         super().__init__(auto_prefix=False)
         self.identity = world.world_size == 1
         self.emulated = world.emulated
-        self.group_size = world.group_size
-        self.rank = world.rank
+        self.group_size = world.op_size
+        self.rank = world.op_rank
         self.op, self.dp = _reduce_scatter_ops(world)
 
     def construct(self, x, padding):
@@ -612,7 +547,7 @@ class FusedReduceScatterSum(nn.Cell):
     def __init__(self, world: World):
         super().__init__(auto_prefix=False)
         self.single = ReduceScatterSum(world)
-        self.group_size, self.rank = world.group_size, world.rank
+        self.group_size, self.rank = world.op_size, world.op_rank
         self.identity = world.world_size == 1
         self.emulated = world.emulated
         self.op, self.dp = self.single.op, self.single.dp
@@ -661,7 +596,7 @@ class FusedAllGather(nn.Cell):
     def __init__(self, world: World):
         super().__init__(auto_prefix=False)
         self.gather = AllGather(world)
-        self.group_size = world.group_size
+        self.group_size = world.op_size
 
     def construct(self, shards, bucket):
         if len(shards) == 1:

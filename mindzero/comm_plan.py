@@ -2,7 +2,7 @@
 
 :func:`step_calls` lists every collective a rank issues in one optimizer step (``K``
 micro-steps), in the order the train step issues them, from the partition plan, the
-stage, the backend and ``comm_fusion``. The train step builds its reducers and gathers
+stage, the world (its groups and backend) and ``comm_fusion``. The train step builds its reducers and gathers
 from the same :func:`step_buckets`, so the list is what runs; ``tests/multirank`` counts the
 collectives actually called (PyNative) and compares.
 
@@ -20,23 +20,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import FusionConfig, StagePolicy
+from .deprecation import warn_renamed
+from .layout import COLLECTIVES, EMULATED, World
 from .state import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommBucket, ParamState, ZeroState
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
-@dataclass(frozen=True)
-class CommShape:
-    """Who communicates: the op group (``G``), the world (``N = R x G``) and whether the backend
-    emulates reduce-scatter and sub-group collectives with world collectives (CPU)."""
-
-    group_size: int
-    world_size: int
-    emulated: bool
-
-    @property
-    def replicas(self) -> int:
-        return self.world_size // self.group_size
+def CommShape(group_size: int, world_size: int, emulated: bool):  # noqa: N802 (the old class's name)
+    """Deprecated: the :class:`~mindzero.layout.World` of ``World.of_sizes``, which every function here takes."""
+    warn_renamed("CommShape(group_size, world_size, emulated)",
+                 "World.of_sizes(op_size, world_size, backend)", "the topology has one representation")
+    return World.of_sizes(group_size, world_size, EMULATED if emulated else COLLECTIVES)
 
 
 @dataclass(frozen=True)
@@ -76,33 +71,33 @@ def spec_buckets(specs, fusion: FusionConfig, kind: str) -> list:
     return buckets([s.numel * s.itemsize for s in specs], [s.dtype for s in specs], fusion.bucket_bytes(kind))
 
 
-def reduce_scatter_calls(specs, shape: CommShape, phase: str) -> list:
+def reduce_scatter_calls(specs, world: World, phase: str) -> list:
     """One fused reduce-scatter (sum over the world, shard over the op group) of ``specs``."""
-    if shape.world_size == 1:
+    if world.world_size == 1:
         return []
-    if shape.emulated:
-        return [Call("all_reduce", phase, shape.world_size, sum(s.numel * s.itemsize for s in specs), len(specs))]
-    calls = [Call("reduce_scatter", phase, shape.group_size, sum(s.padded_numel * s.itemsize for s in specs),
+    if world.emulated:
+        return [Call("all_reduce", phase, world.world_size, sum(s.numel * s.itemsize for s in specs), len(specs))]
+    calls = [Call("reduce_scatter", phase, world.op_size, sum(s.padded_numel * s.itemsize for s in specs),
                   len(specs))]
-    if shape.replicas > 1:
-        calls.append(Call("all_reduce", phase, shape.replicas, sum(s.shard_size * s.itemsize for s in specs),
+    if world.dp_size > 1:
+        calls.append(Call("all_reduce", phase, world.dp_size, sum(s.shard_size * s.itemsize for s in specs),
                           len(specs)))
     return calls
 
 
-def all_gather_calls(specs, shape: CommShape, phase: str) -> list:
+def all_gather_calls(specs, world: World, phase: str) -> list:
     """One fused all-gather of ``specs``' shards over the op group."""
-    if shape.group_size == 1:
+    if world.op_size == 1:
         return []
-    ranks = shape.world_size if shape.emulated else shape.group_size
+    ranks = world.world_size if world.emulated else world.op_size
     return [Call("all_gather", phase, ranks, sum(s.shard_size * s.itemsize for s in specs) * ranks, len(specs))]
 
 
-def all_reduce_calls(specs, shape: CommShape, phase: str) -> list:
+def all_reduce_calls(specs, world: World, phase: str) -> list:
     """One fused all-reduce (sum over the world) of ``specs``' full gradients."""
-    if shape.world_size == 1:
+    if world.world_size == 1:
         return []
-    return [Call("all_reduce", phase, shape.world_size, sum(s.numel * s.itemsize for s in specs), len(specs))]
+    return [Call("all_reduce", phase, world.world_size, sum(s.numel * s.itemsize for s in specs), len(specs))]
 
 
 def step_buckets(params, policy: StagePolicy, fusion: FusionConfig) -> tuple:
@@ -135,31 +130,31 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig) -> tuple:
     return micro, boundary, gather
 
 
-def step_calls(state, shape: CommShape) -> list:
+def step_calls(state, world: World) -> list:
     """Every collective of one optimizer step of ``state`` (a :class:`~mindzero.state.ZeroState`: its
-    parameters, buckets and config), in issue order, on a backend of ``shape``."""
+    parameters, buckets and config), in issue order, as ``world`` (its groups and backend) runs them."""
     config = state.config
     micro, boundary, update = [], [], []
     if config.policy.shard_parameters:
         sharded = [p for p in state.params if p.sharded]
         for p in sharded:  # one gather per parameter where it is used; fusion does not apply
-            micro += all_gather_calls([p.spec], shape, "forward")
+            micro += all_gather_calls([p.spec], world, "forward")
         for p in reversed(sharded):
             if state.regather:
-                micro += all_gather_calls([p.spec], shape, "backward")
-            micro += reduce_scatter_calls([p.reduce_spec], shape, "backward")
+                micro += all_gather_calls([p.spec], world, "backward")
+            micro += reduce_scatter_calls([p.reduce_spec], world, "backward")
     for b in state.micro:
-        micro += reduce_scatter_calls(b.specs, shape, "backward")
+        micro += reduce_scatter_calls(b.specs, world, "backward")
     for b in state.boundary:
-        boundary += (reduce_scatter_calls if b.kind == REDUCE_SCATTER else all_reduce_calls)(b.specs, shape, "boundary")
-    if shape.world_size > 1:
-        boundary.append(Call("all_reduce", "boundary", shape.world_size, 4))  # the overflow flag
-    if config.clip_grad and any(p.spec.sharded for p in state.params) and shape.group_size > 1:
-        emulate = shape.emulated and shape.replicas > 1
-        boundary.append(Call("all_reduce", "boundary", shape.world_size if emulate else shape.group_size,
-                             4 * (shape.replicas if emulate else 1)))
+        boundary += (reduce_scatter_calls if b.kind == REDUCE_SCATTER else all_reduce_calls)(b.specs, world, "boundary")
+    if world.world_size > 1:
+        boundary.append(Call("all_reduce", "boundary", world.world_size, 4))  # the overflow flag
+    if config.clip_grad and any(p.spec.sharded for p in state.params) and world.op_size > 1:
+        emulate = world.emulated and world.dp_size > 1
+        boundary.append(Call("all_reduce", "boundary", world.world_size if emulate else world.op_size,
+                             4 * (world.dp_size if emulate else 1)))
     for b in state.gather:
-        update += all_gather_calls(b.specs, shape, "update")
+        update += all_gather_calls(b.specs, world, "update")
     return micro * config.gradient_accumulation_steps + boundary + update
 
 

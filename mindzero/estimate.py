@@ -124,6 +124,8 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, o
         ValueError: a bad stage, group size, optimizer or shape (the message names it).
     """
     policy = stage_policy(zero_stage)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size (ranks the state is sharded over) must be an int >= 1, got {group_size!r}")
     key = str(optimizer).lower()
     if key not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZER_STATES)}")

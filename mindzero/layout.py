@@ -1,4 +1,12 @@
-"""Hybrid sharding layouts: shard inside an op group, replicate across groups (pure Python).
+"""The topology of a run: communication groups, this rank's world, hybrid layouts (pure Python).
+
+:class:`World` is what every other part of mindzero reads: the whole world, this rank's op group (the
+ranks a tensor is sharded over) and dp group (the ranks holding the same shard in the other op groups),
+and the communication **backend**, decided once when the world is made (:func:`backend_for`) and never
+again above the communication layer. :class:`HybridLayout` is the global view of a world cut into op
+and dp groups, and validates it.
+
+Hybrid sharding layouts: shard inside an op group, replicate across groups.
 
 A world of ``N`` ranks is cut into ``R = N / G`` op groups of ``G`` ranks (each holds one
 full copy of the model state, sharded ``G`` ways) and ``G`` dp groups of ``R`` ranks (the
@@ -13,7 +21,124 @@ their smallest rank, so the replica holding world rank 0 is replica 0.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from .deprecation import renamed_property, warn_renamed
+
+# How collectives run (mindzero.comm.backends implements each):
+SINGLE = "single"  # a world of one rank: every collective is the identity
+EMULATED = "emulated"  # CPU: world collectives only, no ReduceScatter (MindSpore 2.10); emulated exactly
+COLLECTIVES = "collectives"  # GPU/Ascend: MindSpore's ReduceScatter and sub-group collectives
+SUBSTITUTE = "substitute"  # test-only: the GPU/Ascend code with CPU-legal stand-ins for the primitives
+BACKENDS = (SINGLE, EMULATED, COLLECTIVES, SUBSTITUTE)
+REAL_COLLECTIVE_DEVICES = ("GPU", "Ascend")  # devices on which MindSpore registers ReduceScatter kernels
+
+
+def backend_for(device: str, world_size: int, substitute: bool = False) -> str:
+    """The backend of a world of ``world_size`` ranks on ``device`` (``substitute``: the test-only stand-ins,
+    which only a CPU world takes)."""
+    if world_size == 1:
+        return SINGLE
+    if device in REAL_COLLECTIVE_DEVICES:
+        return COLLECTIVES
+    return SUBSTITUTE if substitute else EMULATED
+
+
+@dataclass(frozen=True)
+class Group:
+    """A communication group as this rank sees it: MindSpore's ``name`` ("" when not initialised), its
+    world ``ranks`` in group order and this rank's ``index`` in it."""
+
+    name: str
+    ranks: tuple
+    index: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @staticmethod
+    def of(name: str, ranks, me: int) -> "Group":
+        ranks = tuple(int(r) for r in ranks)
+        return Group(name, ranks, ranks.index(me))
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's communication world: the whole world (``N`` ranks), the op group this rank shards
+    over (``G``) and its dp group (the ranks holding the same shard index in the ``R = N / G`` replicas of
+    the op group; this rank alone without hybrid sharding, where ``G = N``, ``R = 1``).
+
+    Every rank name says what it indexes: ``world_rank``/``world_size`` (the whole world), ``op_rank``/
+    ``op_size`` (this rank's shard index in the op group, and the group's size), ``dp_rank``/``dp_size``
+    (which replica of the op group this rank is in, and how many there are).
+    """
+
+    device: str
+    everyone: Group  # the whole world
+    op: Group  # the op group
+    dp: Group  # the dp group; its index is this rank's replica
+    backend: str  # one of BACKENDS: how this world's collectives run (see backend_for)
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    @staticmethod
+    def flat(device: str, size: int, rank: int, name: str = "", substitute: bool = False) -> "World":
+        """A world of ``size`` ranks sharded over all of them (no replicas), seen from world rank ``rank``."""
+        everyone = Group(name, tuple(range(size)), rank)
+        return World(device, everyone, everyone, Group(name, (rank,), 0), backend_for(device, size, substitute))
+
+    @staticmethod
+    def of_sizes(op_size: int, world_size: int, backend: str, device: str = "CPU") -> "World":
+        """The world of rank 0 in a contiguous layout of ``world_size`` ranks in op groups of ``op_size``
+        (for plans made without running: estimates, benchmarks' accounting, tests)."""
+        layout = HybridLayout.contiguous(world_size, op_size)
+        everyone = Group("", tuple(range(world_size)), 0)
+        return World(device, everyone, Group("", layout.op_group_of(0), 0), Group("", layout.dp_group_of(0), 0),
+                     backend)
+
+    def with_backend(self, backend: str) -> "World":
+        """The same groups on another backend (the collectives GPU/Ascend would run: ``COLLECTIVES``)."""
+        return replace(self, backend=backend)
+
+    world_size = property(lambda self: self.everyone.size, doc="ranks in the world (N)")
+    world_rank = property(lambda self: self.everyone.index, doc="this rank in the world")
+    world_group = property(lambda self: self.everyone.name, doc="MindSpore's name of the world group")
+    op_size = property(lambda self: self.op.size, doc="ranks in the op group (G): what a tensor is sharded over")
+    op_rank = property(lambda self: self.op.index, doc="this rank's shard index in the op group")
+    op_group = property(lambda self: self.op.name, doc="MindSpore's name of the op group")
+    op_ranks = property(lambda self: self.op.ranks, doc="the op group's world ranks in shard order")
+    dp_size = property(lambda self: self.dp.size, doc="replicas of the op group (R = N / G)")
+    dp_rank = property(lambda self: self.dp.index, doc="which replica this rank is in")
+    dp_group = property(lambda self: self.dp.name, doc="MindSpore's name of the dp group")
+
+    group_size = renamed_property("group_size", "op_size", "ranks in the op group; world_size for the world")
+    rank = renamed_property("rank", "op_rank", "the shard index in the op group; world_rank for the world")
+    group = renamed_property("group", "op_group")
+    members = renamed_property("members", "op_ranks")
+    replicas = renamed_property("replicas", "dp_size")
+    replica = renamed_property("replica", "dp_rank")
+
+    @property
+    def hybrid(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def emulated(self) -> bool:
+        """CPU: no ReduceScatter and no collectives on sub-groups; both are emulated with world collectives
+        (unless the test-only substitute runs the GPU/Ascend path instead)."""
+        return self.backend == EMULATED
+
+    @property
+    def substitute(self) -> bool:
+        return self.backend == SUBSTITUTE
+
+    @property
+    def writes_shards(self) -> bool:
+        """Replica 0 writes the shard files of a checkpoint (the other replicas hold the same shards)."""
+        return self.dp_rank == 0
 
 
 class LayoutError(ValueError):
@@ -22,17 +147,31 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class HybridLayout:
+    """Every op group and dp group of a world (the global view; :class:`mindzero.comm.World` is one rank's)."""
+
     world_size: int
     op_groups: tuple  # each op group's world ranks, in op-rank (shard index) order
     dp_groups: tuple  # each dp group's world ranks, in replica order
 
     @property
-    def shard_size(self) -> int:
+    def op_size(self) -> int:
+        """Ranks per op group (G)."""
         return len(self.op_groups[0])
 
     @property
-    def replicas(self) -> int:
+    def dp_size(self) -> int:
+        """Replicas of the op group (R = N / G)."""
         return len(self.op_groups)
+
+    @property
+    def shard_size(self) -> int:
+        warn_renamed("HybridLayout.shard_size", "HybridLayout.op_size", "ranks per op group, not elements per shard")
+        return self.op_size
+
+    @property
+    def replicas(self) -> int:
+        warn_renamed("HybridLayout.replicas", "HybridLayout.dp_size")
+        return self.dp_size
 
     def op_group_of(self, rank: int) -> tuple:
         return next(g for g in self.op_groups if rank in g)
@@ -44,15 +183,20 @@ class HybridLayout:
         """The shard index of world rank ``rank``."""
         return self.op_group_of(rank).index(rank)
 
-    def replica(self, rank: int) -> int:
+    def dp_rank(self, rank: int) -> int:
+        """The replica (op group index) of world rank ``rank``."""
         return self.op_groups.index(self.op_group_of(rank))
 
+    def replica(self, rank: int) -> int:
+        warn_renamed("HybridLayout.replica(rank)", "HybridLayout.dp_rank(rank)")
+        return self.dp_rank(rank)
+
     @staticmethod
-    def contiguous(world_size: int, shard_size: int) -> "HybridLayout":
-        """Ranks ``[k*G, (k+1)*G)`` shard together (one node per op group on a usual cluster)."""
-        _check_sizes(world_size, shard_size, "shard_size")
-        op = tuple(tuple(range(k * shard_size, (k + 1) * shard_size)) for k in range(world_size // shard_size))
-        dp = tuple(tuple(range(i, world_size, shard_size)) for i in range(shard_size))
+    def contiguous(world_size: int, op_size: int) -> "HybridLayout":
+        """Ranks ``[k*G, (k+1)*G)`` shard together, ``G = op_size`` (one node per op group on a usual cluster)."""
+        _check_sizes(world_size, op_size, "op_size")
+        op = tuple(tuple(range(k * op_size, (k + 1) * op_size)) for k in range(world_size // op_size))
+        dp = tuple(tuple(range(i, world_size, op_size)) for i in range(op_size))
         return HybridLayout.from_groups(world_size, op, dp)
 
     @staticmethod

@@ -73,7 +73,8 @@ def memory_report(train_net) -> dict:
 
     Returns:
         ``{"parameters", "gradients", "optimizer_states", "optimizer_moments", "master_shards", "ema": int,
-        "expected": {same keys}, "stage": int, "group_size": int, "replicas": int}``; ``optimizer_states`` is
+        "expected": {same keys}, "stage": int, "op_size": int, "dp_size": int}`` (and ``group_size``,
+        ``replicas``: the same two under their deprecated names); ``optimizer_states`` is
         ``optimizer_moments + master_shards``.
     """
     from .optim import optimizer_state_params
@@ -92,6 +93,8 @@ def memory_report(train_net) -> dict:
         "expected": expected_bytes(info.plan, info.config.policy, len(info.state_attrs),
                                    info.config.gradient_accumulation_steps > 1, train_net.has_ema, info.precision),
         "stage": info.config.zero_stage,
-        "group_size": info.world.group_size,  # the op group: what the shards divide by
-        "replicas": info.world.replicas,
+        "op_size": info.world.op_size,  # the op group: what the shards divide by
+        "dp_size": info.world.dp_size,
+        "group_size": info.world.op_size,  # deprecated keys (a dict cannot warn): op_size, dp_size
+        "replicas": info.world.dp_size,
     }

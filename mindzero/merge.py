@@ -52,7 +52,7 @@ class Source:
         except SplitInfoError as err:
             raise self.error(str(err)) from None
         self.ref = self.infos[0]
-        self.group_size = self.ref.group_size
+        self.op_size = self.ref.op_size
         self.verified = self.marker["verified"] and self.ref.format_version >= 2
         if not self.verified:
             warnings.warn(f"{self.dir}: a checkpoint without checksums (format_version {self.ref.format_version}); "
@@ -145,13 +145,13 @@ class Source:
         cut from the full tensor and zero-padded; a per-rank buffer (e.g. BatchNorm statistics) comes from
         old rank ``rank``, or rank 0 when the old run had fewer ranks. ``full``: the full tensor if the caller
         already holds it."""
-        if rank < self.group_size:
+        if rank < self.op_size:
             old = self.entry(target.name, rank)
             if ((old.sharded, old.offset, old.shard_size) == (target.sharded, target.offset, target.shard_size)
                     and old.file.startswith("rank_") == target.file.startswith("rank_")):
                 return self.read_piece(old).reshape((old.shard_size,) if old.sharded else old.shape)
         if target.per_rank:
-            return self.rank_piece(target.name, rank if rank < self.group_size else 0)
+            return self.rank_piece(target.name, rank if rank < self.op_size else 0)
         if not target.sharded:
             return full if full is not None else self.full(target.name)
         if full is not None:
@@ -253,11 +253,11 @@ def merge_checkpoint(ckpt_dir, out, format="ckpt", with_optimizer=False, force=F
     return progress.summary("merged", out)
 
 
-def _plan_from_entries(ref: SplitInfo, group_size: int) -> PartitionPlan:
+def _plan_from_entries(ref: SplitInfo, op_size: int) -> PartitionPlan:
     infos = [ParamInfo(t.name, tuple(t.shape), t.dtype, optimized=not is_per_rank(t.replicated_reason),
                        parallel_optimizer=t.replicated_reason != REASON_USER)
              for t in ref.tensors if t.kind == "parameter"]
-    return PartitionPlan.build(infos, group_size, 0)
+    return PartitionPlan.build(infos, op_size, 0)
 
 
 def _resharded_infos(src: Source, world_size: int, stage: int, fmt: str, run_id: str) -> list:
@@ -313,7 +313,7 @@ def _write_resharded(src: Source, infos: list, partial: Path, fmt: str, log) -> 
     for info in infos:
         for t in info.tensors:
             piece = (t.shard_size,) if t.sharded else tuple(t.shape)
-            if t.file.startswith("rank_") and int(t.file.split("_")[1].split(".")[0]) != info.rank:
+            if t.file.startswith("rank_") and int(t.file.split("_")[1].split(".")[0]) != info.op_rank:
                 continue  # rank 0's shared file: listed once, by rank 0
             layouts.setdefault(t.file, {}).setdefault(t.name, (t.name, t.dtype, piece))
     writers = {f: open_writer(partial / f, fmt, list(lay.values())) for f, lay in layouts.items()}
@@ -330,9 +330,9 @@ def _write_resharded(src: Source, infos: list, partial: Path, fmt: str, log) -> 
                 if (new.file, new.name) in written:
                     continue
                 written.add((new.file, new.name))
-                value = src.piece_for(new, info.rank, full=full)
+                value = src.piece_for(new, info.op_rank, full=full)
                 writers[new.file].write(new.name, value, new.dtype)
-                entries[info.rank][i] = replace(new, crc32=crc32_array(value))
+                entries[info.op_rank][i] = replace(new, crc32=crc32_array(value))
             progress.step(t.numel * np_dtype(t.dtype).itemsize)
         for w in writers.values():
             w.commit()
@@ -341,7 +341,7 @@ def _write_resharded(src: Source, infos: list, partial: Path, fmt: str, log) -> 
             w.abort()
         raise
     for info in infos:
-        replace(info, tensors=tuple(entries[info.rank])).write(partial / split_info_name(info.rank))
+        replace(info, tensors=tuple(entries[info.op_rank])).write(partial / split_info_name(info.op_rank))
     write_marker(partial, run_id=infos[0].run_id, step=infos[0].step, group_size=len(infos),
                  resharded_from=str(src.dir))
     progress.summary(f"resharded to {len(infos)} ranks, stage {infos[0].stage}:", partial)
@@ -383,7 +383,7 @@ def verify_checkpoint(ckpt_dir, log=print) -> dict:
     listed = set(src.marker.get("files") or ())
     extra = sorted(p.name for p in src.dir.iterdir() if p.is_file() and listed and p.name not in listed
                    and p.name != "COMPLETE")
-    report.update(ok=not problems, ranks=src.group_size, stage=src.ref.stage, step=src.ref.step, tensors=pieces,
+    report.update(ok=not problems, ranks=src.op_size, stage=src.ref.stage, step=src.ref.step, tensors=pieces,
                   bytes=nbytes, files=len(listed) + 1 if listed else len(list(src.dir.iterdir())),
                   checksums=src.verified, extra_files=extra)
     progress.close()
@@ -395,7 +395,7 @@ def verify_checkpoint(ckpt_dir, log=print) -> dict:
         if extra:
             log(f"  note: files not part of the checkpoint: {extra[:5]}")
         head = "FAILED" if problems else "ok"
-        log(f"{head} {src.dir}: {src.group_size} ranks, stage {src.ref.stage}, step {src.ref.step}, {pieces}/"
+        log(f"{head} {src.dir}: {src.op_size} ranks, stage {src.ref.stage}, step {src.ref.step}, {pieces}/"
             f"{len(seen)} pieces, {nbytes / 2**20:.1f} MiB; " + (f"{len(problems)} problem(s)" if problems else what))
     return report
 
@@ -418,8 +418,8 @@ def convert_checkpoints(src_checkpoint, src_param_split_info_json, group_size, f
         saved = SplitInfo.read(ckpt_dir / split_info_name(0))
     except SplitInfoError as err:
         raise MergeError(str(err)) from None
-    if saved.group_size != group_size:
-        raise MergeError(f"group_size is {group_size}, but the checkpoint was saved by {saved.group_size} ranks")
+    if saved.op_size != group_size:
+        raise MergeError(f"group_size is {group_size}, but the checkpoint was saved by {saved.op_size} ranks")
     for r in range(group_size):
         rank_file, info_file = Path(src_checkpoint.format(r)), Path(src_param_split_info_json.format(r))
         if info_file != ckpt_dir / split_info_name(r):

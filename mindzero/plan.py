@@ -12,7 +12,7 @@ Vocabulary (used across mindzero):
 * **padded shard**: the shard including its padding; every rank's shard of one
   parameter has the same ``shard_size`` elements.
 * **op group** (optimizer-parallel group): the ranks that share one copy of the
-  sharded state; ``group_size`` below is its size.
+  sharded state; ``op_size`` below is its size and ``op_rank`` a rank's shard index in it.
 * **replicated**: a parameter every rank keeps whole, with the reason recorded
   (``parallel_optimizer=False``, not trained by the optimizer, or empty).
 
@@ -25,6 +25,8 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Iterable
+
+from .deprecation import renamed_property, warn_renamed
 
 # bytes per element of the dtypes a MindSpore network holds
 DTYPE_BYTES = {
@@ -73,13 +75,13 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[key]
 
 
-def shard_size_for(numel: int, group_size: int) -> int:
-    """Elements per rank of a parameter with ``numel`` elements: ``ceil(numel / group_size)``."""
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
+def shard_size_for(numel: int, op_size: int) -> int:
+    """Elements per rank of a parameter with ``numel`` elements over ``op_size`` ranks: ``ceil(numel / op_size)``."""
+    if op_size < 1:
+        raise ValueError(f"op_size must be >= 1, got {op_size}")
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
-    return -(-numel // group_size)
+    return -(-numel // op_size)
 
 
 @dataclass(frozen=True)
@@ -94,14 +96,17 @@ class ShardSpec:
     name: str
     shape: tuple  # full shape, as the user built it
     dtype: str
-    group_size: int
-    rank: int
+    op_size: int  # ranks in the op group
+    op_rank: int  # the rank this spec is seen from: its shard index in the op group
     sharded: bool
     reason: str = ""  # why the parameter is replicated; empty when sharded
 
+    group_size = renamed_property("group_size", "op_size", "ranks in the op group")
+    rank = renamed_property("rank", "op_rank", "the shard index in the op group")
+
     def __post_init__(self):
-        if not 0 <= self.rank < self.group_size:
-            raise ValueError(f"rank must be in [0, group_size={self.group_size}), got {self.rank} "
+        if not 0 <= self.op_rank < self.op_size:
+            raise ValueError(f"op_rank must be in [0, op_size={self.op_size}), got {self.op_rank} "
                              f"for parameter {self.name!r}")
         if any((not isinstance(d, int)) or d < 0 for d in self.shape):
             raise ValueError(f"shape of parameter {self.name!r} must be non-negative ints, got {self.shape}")
@@ -119,11 +124,11 @@ class ShardSpec:
 
     @property
     def shard_size(self) -> int:  # elements per rank, padding included
-        return shard_size_for(self.numel, self.group_size) if self.sharded else self.numel
+        return shard_size_for(self.numel, self.op_size) if self.sharded else self.numel
 
     @property
     def padded_numel(self) -> int:  # 1D length of the flat padded full parameter
-        return self.shard_size * self.group_size if self.sharded else self.numel
+        return self.shard_size * self.op_size if self.sharded else self.numel
 
     @property
     def padding(self) -> int:  # zeros appended to the flat full parameter
@@ -131,7 +136,7 @@ class ShardSpec:
 
     @property
     def offset(self) -> int:  # first flat element of this rank's shard
-        return self.rank * self.shard_size if self.sharded else 0
+        return self.op_rank * self.shard_size if self.sharded else 0
 
     @property
     def valid(self) -> int:  # real (non-padding) elements in this rank's shard
@@ -146,14 +151,14 @@ class ShardSpec:
         return self.shard_size
 
     def owner_of(self, flat_index: int) -> int:
-        """The rank that owns flat element ``flat_index`` of the full parameter."""
+        """The op rank that owns flat element ``flat_index`` of the full parameter."""
         if not 0 <= flat_index < self.numel:
             raise IndexError(f"flat_index must be in [0, {self.numel}) for {self.name!r}, got {flat_index}")
-        return flat_index // self.shard_size if self.sharded else self.rank
+        return flat_index // self.shard_size if self.sharded else self.op_rank
 
-    def for_rank(self, rank: int) -> "ShardSpec":
-        """The same parameter's spec as seen from ``rank``."""
-        return ShardSpec(self.name, self.shape, self.dtype, self.group_size, rank, self.sharded, self.reason)
+    def for_rank(self, op_rank: int) -> "ShardSpec":
+        """The same parameter's spec as seen from op rank ``op_rank``."""
+        return ShardSpec(self.name, self.shape, self.dtype, self.op_size, op_rank, self.sharded, self.reason)
 
 
 @dataclass(frozen=True)
@@ -175,22 +180,32 @@ class PartitionPlan:
     parameters are sharded, their padding and their owners.
     """
 
-    group_size: int
-    rank: int
+    op_size: int
+    op_rank: int
     specs: tuple = field(default_factory=tuple)
 
+    group_size = renamed_property("group_size", "op_size", "ranks in the op group")
+    rank = renamed_property("rank", "op_rank", "the shard index in the op group")
+
     @staticmethod
-    def build(params: Iterable[ParamInfo], group_size: int, rank: int) -> "PartitionPlan":
-        """Shard every optimized, non-empty parameter that the user did not opt out.
+    def build(params: Iterable[ParamInfo], op_size: int = None, op_rank: int = None, *, group_size: int = None,
+              rank: int = None) -> "PartitionPlan":
+        """Shard every optimized, non-empty parameter that the user did not opt out, over an op group of
+        ``op_size`` ranks, seen from ``op_rank`` (``group_size=`` / ``rank=``: their deprecated names).
 
         Raises:
-            ValueError: ``group_size`` < 1, ``rank`` outside ``[0, group_size)``, or a
-                duplicate parameter name.
+            ValueError: ``op_size`` < 1, ``op_rank`` outside ``[0, op_size)``, or a duplicate parameter name.
         """
-        if not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < group_size:
-            raise ValueError(f"rank must be an int in [0, group_size={group_size}), got {rank!r}")
+        if group_size is not None:
+            warn_renamed("PartitionPlan.build(group_size=)", "PartitionPlan.build(op_size=)")
+            op_size = group_size if op_size is None else op_size
+        if rank is not None:
+            warn_renamed("PartitionPlan.build(rank=)", "PartitionPlan.build(op_rank=)")
+            op_rank = rank if op_rank is None else op_rank
+        if isinstance(op_size, bool) or not isinstance(op_size, int) or op_size < 1:
+            raise ValueError(f"op_size must be an int >= 1, got {op_size!r}")
+        if isinstance(op_rank, bool) or not isinstance(op_rank, int) or not 0 <= op_rank < op_size:
+            raise ValueError(f"op_rank must be an int in [0, op_size={op_size}), got {op_rank!r}")
         specs, seen = [], set()
         for p in params:
             if p.name in seen:
@@ -204,8 +219,8 @@ class PartitionPlan:
                 reason = REASON_NOT_OPTIMIZED
             elif math.prod(shape) == 0:
                 reason = REASON_EMPTY
-            specs.append(ShardSpec(p.name, shape, str(p.dtype), group_size, rank, not reason, reason))
-        return PartitionPlan(group_size, rank, tuple(specs))
+            specs.append(ShardSpec(p.name, shape, str(p.dtype), op_size, op_rank, not reason, reason))
+        return PartitionPlan(op_size, op_rank, tuple(specs))
 
     def __getitem__(self, name: str) -> ShardSpec:
         for s in self.specs:
@@ -227,19 +242,19 @@ class PartitionPlan:
     def replicated(self) -> tuple:
         return tuple(s for s in self.specs if not s.sharded)
 
-    def for_rank(self, rank: int) -> "PartitionPlan":
-        return PartitionPlan(self.group_size, rank, tuple(s.for_rank(rank) for s in self.specs))
+    def for_rank(self, op_rank: int) -> "PartitionPlan":
+        return PartitionPlan(self.op_size, op_rank, tuple(s.for_rank(op_rank) for s in self.specs))
 
     def fingerprint(self) -> str:
-        """A hash of what every rank must agree on (names, shapes, dtypes, sharding, group size)."""
-        text = repr([(s.name, s.shape, s.dtype, s.sharded) for s in self.specs] + [self.group_size])
+        """A hash of what every rank must agree on (names, shapes, dtypes, sharding, op group size)."""
+        text = repr([(s.name, s.shape, s.dtype, s.sharded) for s in self.specs] + [self.op_size])
         return hashlib.sha256(text.encode()).hexdigest()
 
     def summary(self) -> str:
         """Human-readable lines: counts, padding and the replicated parameters with reasons."""
         pad = sum(s.padding for s in self.sharded)
         lines = [f"partition plan: {len(self.sharded)} sharded, {len(self.replicated)} replicated parameters "
-                 f"over an op group of {self.group_size} (rank {self.rank}); padding {pad} elements in all"]
+                 f"over an op group of {self.op_size} (op rank {self.op_rank}); padding {pad} elements in all"]
         for s in self.replicated:
             lines.append(f"  replicated {s.name} {s.shape}: {s.reason}")
         return "\n".join(lines)

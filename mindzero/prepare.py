@@ -21,7 +21,8 @@ from .optim import check_optimizer, offload_update, repoint_optimizer, shard_opt
 from .materialize import materialize
 from .plan import PartitionPlan
 from .shard import check_pynative_recompute, make_shard, shard_network_parameters
-from .comm_plan import CommShape, format_comm, step_buckets, step_calls
+from .comm_plan import format_comm, step_buckets, step_calls
+from .layout import COLLECTIVES
 from .config import parse_comm_fusion
 from .state import MasterPair, ParamState, ZeroState
 from .train_step import ZeroEMA, ZeroTrainOneStepCell
@@ -154,7 +155,7 @@ def check_same_values(plan: PartitionPlan, digests: dict, world: World) -> None:
 def build_plan(network, optimizer, world: World, precision: MixedPrecision = MixedPrecision()) -> PartitionPlan:
     """The partition plan of ``network``'s parameters for this rank, in ``network.get_parameters()`` order
     (dtypes as held: ``param_dtype`` for the optimized parameters of a mixed-precision run)."""
-    return PartitionPlan.build(param_infos(network, precision, optimizer), world.group_size, world.rank)
+    return PartitionPlan.build(param_infos(network, precision, optimizer), world.op_size, world.op_rank)
 
 
 def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates=0, drop_overflow_update=True,
@@ -308,9 +309,8 @@ def _build(network, optimizer, config: ZeroConfig, options: _Options):
     if ema_decay is not None:
         state.ema = ZeroEMA(state.weights, ema_decay, options.updates, ms.float32 if precision.enabled else None)
     train_net = ZeroTrainOneStepCell(network, optimizer, state)
-    calls = {emulated: tuple(step_calls(state, CommShape(world.group_size, world.world_size, emulated)))
-             for emulated in (False, True)}
-    state.calls, state.real_calls = calls[world.emulated], calls[False]
+    state.calls = tuple(step_calls(state, world))
+    state.real_calls = tuple(step_calls(state, world.with_backend(COLLECTIVES))) if world.emulated else state.calls
     train_net.zero_info = state
     return train_net
 
@@ -353,8 +353,8 @@ def plan_text(train_net) -> str:
 
     info = train_net.zero_info
     world, config = info.world, info.config
-    groups = (f"op group {world.group_size} ({world.group!r}) x {world.replicas} replicas "
-              f"(dp group {world.dp_group!r})" if world.hybrid else f"group size {world.group_size}")
+    groups = (f"op group {world.op_size} ({world.op_group!r}) x {world.dp_size} replicas "
+              f"(dp group {world.dp_group!r})" if world.hybrid else f"op group {world.op_size} (the world)")
     fusion = ", ".join(f"{k} {info.fusion.bucket_bytes(k) / 2 ** 20:g} MiB" for k in ("allreduce", "reduce_scatter",
                                                                                       "allgather")
                        if info.fusion.bucket_bytes(k) is not None) or "off"

@@ -22,9 +22,10 @@ not sharded is stored whole: identical replicated tensors once (by rank 0, the
 ``file`` every rank names), per-rank buffers such as BatchNorm statistics in each
 rank's own file (a merge takes rank 0's). :func:`placement` is the rule.
 
-With hybrid sharding ``group_size`` is the op group size and ``rank`` the shard index;
-``replicas`` says how many copies of the op group the run had and ``replica`` which one
-wrote the files (replica 0; the others hold the same shards and write nothing), so a
+The file-level keys keep the names of format versions 1-2: ``group_size`` is the op group's size
+and ``rank`` this file's shard index in it (``SplitInfo.op_size`` / ``op_rank`` in Python);
+``replicas`` says how many copies of the op group the run had (hybrid sharding; ``dp_size``) and
+``replica`` which one wrote the files (``dp_rank``) (replica 0; the others hold the same shards and write nothing), so a
 hybrid checkpoint is a ``group_size``-way checkpoint: it merges, resumes with any number
 of replicas, and reshards like any other.
 
@@ -41,6 +42,7 @@ from typing import Optional
 from pathlib import Path
 
 from .config import stage_policy
+from .deprecation import renamed_property
 from .plan import is_per_rank, valid_elements
 
 FORMAT_VERSION = 2
@@ -85,22 +87,31 @@ class TensorEntry:
         return self.kind == "parameter" and is_per_rank(self.replicated_reason)
 
 
+# attribute -> JSON key where they differ (the JSON keys are those of format versions 1-2)
+_JSON_KEYS = {"op_size": "group_size", "op_rank": "rank", "dp_size": "replicas", "dp_rank": "replica"}
+
+
 @dataclass(frozen=True)
 class SplitInfo:
     run_id: str
     stage: int
-    group_size: int
-    rank: int
+    op_size: int  # ranks in the op group (JSON "group_size")
+    op_rank: int  # this file's shard index in the op group (JSON "rank")
     step: int
     format: str
     plan_fingerprint: str
     tensors: tuple = field(default_factory=tuple)
-    replicas: int = 1  # hybrid sharding: copies of the op group (group_size ranks each) in the run
-    replica: int = 0  # which copy wrote these shards (always 0: the others hold the same ones)
+    dp_size: int = 1  # hybrid sharding: copies of the op group in the run (JSON "replicas")
+    dp_rank: int = 0  # which copy wrote these shards: always 0, the others hold the same ones (JSON "replica")
     format_version: int = FORMAT_VERSION
 
+    group_size = renamed_property("group_size", "op_size", "ranks in the op group")
+    rank = renamed_property("rank", "op_rank", "the shard index in the op group")
+    replicas = renamed_property("replicas", "dp_size")
+    replica = renamed_property("replica", "dp_rank")
+
     def to_json(self) -> str:
-        d = asdict(self)
+        d = {_JSON_KEYS.get(k, k): v for k, v in asdict(self).items()}
         d["tensors"] = [asdict(t) for t in self.tensors]
         return json.dumps(d, indent=1)
 
@@ -151,15 +162,16 @@ class SplitInfo:
                 raise SplitInfoError(f"{path}: tensors[{i}] ({entry.name}) has kind {entry.kind!r}, "
                                      f"expected one of {KINDS}")
             tensors.append(entry)
-        fields = {k: raw[k] for k in expect if k != "tensors"}
         for key in ("replicas", "replica"):  # optional: absent in checkpoints of runs without hybrid sharding
-            value = raw.get(key, 1 if key == "replicas" else 0)
+            value = raw.setdefault(key, 1 if key == "replicas" else 0)
             if not isinstance(value, int) or value < (1 if key == "replicas" else 0):
                 raise SplitInfoError(f"{path}: field {key!r} must be a non-negative int (replicas >= 1), "
                                      f"got {value!r}")
-            fields[key] = value
-        if fields["replica"] >= fields["replicas"]:
-            raise SplitInfoError(f"{path}: replica {fields['replica']} is outside replicas {fields['replicas']}")
+        if raw["replica"] >= raw["replicas"]:
+            raise SplitInfoError(f"{path}: replica {raw['replica']} is outside replicas {raw['replicas']}")
+        fields = {attr: raw[_JSON_KEYS.get(attr, attr)] for attr in ("run_id", "stage", "op_size", "op_rank", "step",
+                                                                      "format", "plan_fingerprint", "dp_size",
+                                                                      "dp_rank")}
         return SplitInfo(**fields, tensors=tuple(tensors), format_version=version)
 
     def by_name(self) -> dict:
@@ -189,7 +201,7 @@ def entry_at(name: str, kind: str, shape, dtype: str, spec, stage: int, fmt: str
     ``spec`` is its parameter's :class:`mindzero.plan.ShardSpec` for the rank that stores it (``None`` for
     scalars, which rank 0 stores)."""
     per_rank = kind == "parameter" and spec is not None and spec.per_rank
-    rank = spec.rank if spec is not None else 0
+    rank = spec.op_rank if spec is not None else 0
     sharded, file = placement(kind, stage, bool(spec and spec.sharded), per_rank, rank, fmt)
     shape = tuple(shape)
     return TensorEntry(name, kind, spec.name if spec else "", shape, dtype, sharded, spec.reason if spec else "",
@@ -209,8 +221,8 @@ def read_all(ckpt_dir) -> list:
     """
     ckpt_dir = Path(ckpt_dir)
     first = SplitInfo.read(ckpt_dir / split_info_name(0))
-    infos = [first] + [SplitInfo.read(ckpt_dir / split_info_name(r)) for r in range(1, first.group_size)]
-    check_consistent(infos, [ckpt_dir / split_info_name(r) for r in range(first.group_size)])
+    infos = [first] + [SplitInfo.read(ckpt_dir / split_info_name(r)) for r in range(1, first.op_size)]
+    check_consistent(infos, [ckpt_dir / split_info_name(r) for r in range(first.op_size)])
     return infos
 
 
@@ -219,12 +231,12 @@ def check_consistent(infos, paths) -> None:
     ref = infos[0]
     ref_tensors = {t.name: (t.kind, t.param, t.shape, t.dtype, t.sharded) for t in ref.tensors}
     for info, path in zip(infos, paths):
-        for key in ("run_id", "stage", "group_size", "step", "format", "plan_fingerprint", "format_version"):
+        for key in ("run_id", "stage", "op_size", "step", "format", "plan_fingerprint", "format_version"):
             if getattr(info, key) != getattr(ref, key):
-                raise SplitInfoError(f"{path}: field {key!r} is {getattr(info, key)!r} but rank 0 has "
-                                     f"{getattr(ref, key)!r} (files from different checkpoints?)")
-        if info.rank != paths.index(path):
-            raise SplitInfoError(f"{path}: field 'rank' is {info.rank}, expected {paths.index(path)}")
+                raise SplitInfoError(f"{path}: field {_JSON_KEYS.get(key, key)!r} is {getattr(info, key)!r} but "
+                                     f"rank 0 has {getattr(ref, key)!r} (files from different checkpoints?)")
+        if info.op_rank != paths.index(path):
+            raise SplitInfoError(f"{path}: field 'rank' is {info.op_rank}, expected {paths.index(path)}")
         tensors = {t.name: (t.kind, t.param, t.shape, t.dtype, t.sharded) for t in info.tensors}
         if tensors != ref_tensors:
             missing = sorted(set(ref_tensors) - set(tensors))

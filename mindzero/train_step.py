@@ -111,13 +111,13 @@ def _finite_one(g):
 
 
 @_norm_sq.register("Number", "Number", "Number", "Number", "Number", "Tensor")
-def _norm_sq_one(want, rank, group_size, kind, padding, g):
+def _norm_sq_one(want, op_rank, op_size, kind, padding, g):
     """Sum of squares (shape ``(1,)``, fp32) of the part of ``g`` this rank counts in the global norm, if
     ``g``'s norm kind is ``want`` (sharded or replicated); zero otherwise (adding it changes nothing)."""
     if (kind == REPLICATED) != (want == REPLICATED):
         return ops.zeros((1,), ms.float32)
     if kind == OWN_SLICE:
-        g = own_shard(g.reshape((-1,)), padding, rank, group_size)
+        g = own_shard(g.reshape((-1,)), padding, op_rank, op_size)
     return ops.reduce_sum(ops.square(ops.cast(g, ms.float32))).reshape((1,))
 
 
@@ -335,7 +335,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.norm_kinds = tuple(ps.norm_kind for ps in state.params)
         self.norm_paddings = tuple(ps.reduce_spec.padding for ps in state.params)
         self.has_sharded_norm = any(kind != REPLICATED for kind in self.norm_kinds)
-        self.rank, self.group_size = world.rank, world.group_size
+        self.op_rank, self.op_size = world.op_rank, world.op_size
         self.has_write_back = bool(state.master_pairs)
         if self.has_write_back:
             self.write_back = WriteBack(state)
@@ -431,10 +431,10 @@ class ZeroTrainOneStepCell(nn.Cell):
         gradients are added once. Every stage therefore gets the same clip factor to
         the bit (a plain full-tensor norm would differ from the sharded one in rounding).
         """
-        total_sq = ops.addn(_map(ops.partial(_norm_sq, REPLICATED, self.rank, self.group_size), self.norm_kinds,
+        total_sq = ops.addn(_map(ops.partial(_norm_sq, REPLICATED, self.op_rank, self.op_size), self.norm_kinds,
                                  self.norm_paddings, grads))
         if self.has_sharded_norm:
-            sharded_sq = ops.addn(_map(ops.partial(_norm_sq, SHARD, self.rank, self.group_size), self.norm_kinds,
+            sharded_sq = ops.addn(_map(ops.partial(_norm_sq, SHARD, self.op_rank, self.op_size), self.norm_kinds,
                                        self.norm_paddings, grads))
             total_sq = self.sum_over_group(sharded_sq) + total_sq
         norm = ops.sqrt(total_sq)

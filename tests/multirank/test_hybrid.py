@@ -28,7 +28,7 @@ def out(tmp_path_factory):
 def test_layout_and_group_collectives(out):
     for r in range(N):
         c = json.loads((out / f"rank_{r}" / "collectives.json").read_text())
-        assert c["layout"] == dict(group_size=2, rank=r % 2, replicas=2, replica=r // 2,
+        assert c["layout"] == dict(op_size=2, op_rank=r % 2, dp_size=2, dp_rank=r // 2,
                                    members=[2 * (r // 2), 2 * (r // 2) + 1]), c
         assert c["all_gather_ok"] and c["op_sum_ok"] and c["world_sum_ok"] and c["reduce_scatter_ok"], c
         assert c["emulated"] == ON_CPU  # CPU: world collectives

@@ -37,7 +37,7 @@ def make(model, stage, param_dtype=None):
 
 
 def train_steps(train, cls, steps, world):
-    return [float(train(*batch(cls, s, world.rank, world.group_size))[0].asnumpy()) for s in steps]
+    return [float(train(*batch(cls, s, world.world_rank, world.world_size))[0].asnumpy()) for s in steps]
 
 
 def main():
@@ -47,7 +47,7 @@ def main():
     ap.add_argument("--scenarios", required=True, help="JSON list of {name, model, stage, ckpt[, format]}")
     args = ap.parse_args()
     world = mindzero.start_data_parallel()
-    out_dir = Path(args.out) / f"rank_{world.rank}"
+    out_dir = Path(args.out) / f"rank_{world.world_rank}"
     out_dir.mkdir(parents=True, exist_ok=True)
     for scn in json.loads(args.scenarios):
         net, train = make(scn["model"], scn["stage"], scn.get("param_dtype"))
@@ -77,7 +77,7 @@ def main():
         result.update({"param/" + k: v for k, v in mindzero.gather_full_state_dict(train).items()})
         np.savez(out_dir / f"{scn['name']}.npz", first=np.array(first), last=np.array(last), **result)
         print(f"scenario {scn['name']} done", flush=True)
-    (Path(args.out) / f"rank_{world.rank}.done").write_text("ok")
+    (Path(args.out) / f"rank_{world.world_rank}.done").write_text("ok")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def make():
 
 
 def step(train, cls, s, world):
-    return float(train(*batch(cls, s, world.rank))[0].asnumpy())
+    return float(train(*batch(cls, s, world.world_rank))[0].asnumpy())
 
 
 def kill_after_first_file():
@@ -84,7 +84,7 @@ def main():
     args = ap.parse_args()
     world = mindzero.start_data_parallel()
     root = Path(args.root)
-    out_dir = Path(args.out) / f"rank_{world.rank}"
+    out_dir = Path(args.out) / f"rank_{world.world_rank}"
     out_dir.mkdir(parents=True, exist_ok=True)
     net, train = make()
     cls = type(net)
@@ -97,7 +97,7 @@ def main():
         arrays.update({"saved/" + k: v for k, v in mindzero.gather_full_state_dict(train).items()})
         arrays["loss3"] = np.array([step(train, cls, 2, world)])
         np.savez(out_dir / "kill.npz", **arrays)
-        if world.rank == 1:
+        if world.world_rank == 1:
             kill_after_first_file()
         mindzero.save_checkpoint(train, root / "step_3")  # rank 1 dies inside; rank 0 waits for it
         print("not reached: the save completed", flush=True)
@@ -116,7 +116,7 @@ def main():
     for mode in ("sync", "async"):  # a full disk on rank 1: every rank raises, nothing complete is left
         path = root / f"full_disk_{mode}"
         try:
-            with FileSizeLimit(8192, world.rank == 1):
+            with FileSizeLimit(8192, world.world_rank == 1):
                 if mode == "sync":
                     mindzero.save_checkpoint(train, path)
                 else:
@@ -134,7 +134,7 @@ def main():
     report["async_path"] = str(handle.wait())
     np.savez(out_dir / "resume.npz", **arrays)
     (out_dir / "resume.json").write_text(json.dumps(report, indent=1))
-    (Path(args.out) / f"rank_{world.rank}.done").write_text("ok")
+    (Path(args.out) / f"rank_{world.world_rank}.done").write_text("ok")
     return 0
 
 

@@ -52,7 +52,7 @@ def scenarios():
 
 def check_collectives(world, out_dir, name="collectives.json"):
     """Group collectives (emulated on CPU) against numpy: op-group all-gather and sum, world sum."""
-    n, g, r = world.world_size, world.group_size, world.world_rank
+    n, g, r = world.world_size, world.op_size, world.world_rank
     x = np.full(3, r + 1, np.float32)
     ag = AllGather(world)(Tensor(x)).asnumpy()
     op_sum = AllReduceSum(world, "op")(Tensor(x)).asnumpy()
@@ -60,13 +60,13 @@ def check_collectives(world, out_dir, name="collectives.json"):
     # the sum over the world of a (numel,) tensor padded by 1, this rank's shard of the op group
     y = np.arange(5, dtype=np.float32) * (r + 1)
     rs = ReduceScatterSum(world)(Tensor(y), 1).asnumpy()
-    expect_rs = np.concatenate([np.arange(5, dtype=np.float32) * (n * (n + 1) / 2), [0]]).reshape(g, -1)[world.rank]
-    members = list(world.members)
+    expect_rs = np.concatenate([np.arange(5, dtype=np.float32) * (n * (n + 1) / 2), [0]]).reshape(g, -1)[world.op_rank]
+    members = list(world.op_ranks)
     result = dict(all_gather_ok=bool(np.array_equal(ag, np.repeat(np.array(members, np.float32) + 1, 3))),
                   op_sum_ok=bool(np.array_equal(op_sum, np.full(3, sum(m + 1 for m in members), np.float32))),
                   world_sum_ok=bool(np.array_equal(world_sum, np.full(3, n * (n + 1) / 2, np.float32))),
                   reduce_scatter_ok=bool(np.array_equal(rs, expect_rs)), emulated=world.emulated,
-                  layout=dict(group_size=g, rank=world.rank, replicas=world.replicas, replica=world.replica,
+                  layout=dict(op_size=g, op_rank=world.op_rank, dp_size=world.dp_size, dp_rank=world.dp_rank,
                               members=members))
     (out_dir / name).write_text(json.dumps(result))
 
@@ -115,7 +115,7 @@ def check_checkpoint(out_root, out_dir):
     # from a settings mapping: hybrid_shard_size stands for the groups (the load fails if they were not made)
     fresh = mindzero.prepare_train_network(net, make_optimizer(scn["opt"], net),
                                            config={"zero_stage": 3, "hybrid_shard_size": 2})
-    assert (fresh.zero_info.world.group_size, fresh.zero_info.world.replicas) == (2, 2), fresh.zero_info.world
+    assert (fresh.zero_info.world.op_size, fresh.zero_info.world.dp_size) == (2, 2), fresh.zero_info.world
     mindzero.load_checkpoint(fresh, ckpt)
     loaded = mindzero.gather_full_state_dict(fresh)
     # resume anywhere: the hybrid (2-way sharded) checkpoint straight into plain 4-way stage 1, saved again
@@ -133,7 +133,7 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     flat = start_data_parallel()
-    groups = mindzero.create_hybrid_groups(shard_size=2)
+    groups = mindzero.create_hybrid_groups(op_size=2)
     world = resolve_world(*groups)
     out_dir = Path(args.out) / f"rank_{flat.world_rank}"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -48,8 +48,8 @@ class Source:
 
 def dataset(world):
     ds.config.set_seed(7)  # the shuffle order: the same in every run of this process
-    d = ds.GeneratorDataset(Source(), ["tokens", "targets"], shuffle=True, num_shards=world.group_size,
-                            shard_id=world.rank)
+    d = ds.GeneratorDataset(Source(), ["tokens", "targets"], shuffle=True, num_shards=world.world_size,
+                            shard_id=world.world_rank)
     return d.batch(BATCH, drop_remainder=True)
 
 
@@ -138,11 +138,11 @@ def main():
     args = ap.parse_args()
     world = mindzero.start_data_parallel()
     ms.set_seed(0)
-    out_dir = Path(args.out) / f"rank_{world.rank}"
+    out_dir = Path(args.out) / f"rank_{world.world_rank}"
     out_dir.mkdir(parents=True, exist_ok=True)
     for stage in (int(s) for s in args.stages.split(",")):
         run_stage(stage, world, out_dir)
-    (Path(args.out) / f"rank_{world.rank}.done").write_text("ok")
+    (Path(args.out) / f"rank_{world.world_rank}.done").write_text("ok")
 
 
 if __name__ == "__main__":

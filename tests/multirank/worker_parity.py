@@ -80,14 +80,14 @@ def run(scn, world, groups=None):
     losses, overflows, scales = [], [], []
     for step in range(scn.get("steps", STEPS)):
         if scn["stage"] == "dp" and k > 1:  # plain DP on the concatenated micro-batches
-            micro = [data(cls, step, world.rank, m, n=2) for m in range(k)]
+            micro = [data(cls, step, world.world_rank, m, n=2) for m in range(k)]
             batch = [Tensor(np.concatenate([b[i].asnumpy() for b in micro])) for i in range(len(micro[0]))]
             losses.append(float(train(*batch).asnumpy()))
             continue
         for m in range(k):
-            batch = data(cls, step, world.rank, m, n=2 if k > 1 else None)
+            batch = data(cls, step, world.world_rank, m, n=2 if k > 1 else None)
             if scn.get("dynamic_scale") and scn.get("force_overflow", True) and step == 4 \
-                    and world.rank == world.group_size - 1:
+                    and world.world_rank == world.world_size - 1:
                 x = batch[0].asnumpy().copy()
                 x.flat[0] = np.inf  # forced overflow on the last rank only
                 batch[0] = Tensor(x)
@@ -177,7 +177,7 @@ def count_collectives(world, out_dir):
     import mindspore as ms
     from mindspore import ops
 
-    from mindzero.comm_plan import CommShape, all_gather_calls, reduce_scatter_calls, summarize
+    from mindzero.comm_plan import all_gather_calls, reduce_scatter_calls, summarize
 
     counted = []
     originals = {}
@@ -191,7 +191,7 @@ def count_collectives(world, out_dir):
     ms.set_context(mode=ms.PYNATIVE_MODE)
     results = {}
     try:
-        half = [(s, False, "float16") for s in (0, 1, 2, 3)] if world.group_size == 2 else []
+        half = [(s, False, "float16") for s in (0, 1, 2, 3)] if world.world_size == 2 else []
         for stage, fused, param_dtype in [(s, f, None) for s in (0, 1, 2, 3) for f in (False, True)] + half:
             net = build("awkward")
             fusion = {k: {"bucket_size": 2 ** 20} for k in ("allreduce", "reduce_scatter", "allgather")} \
@@ -203,7 +203,7 @@ def count_collectives(world, out_dir):
                                                    comm_fusion=fusion, param_dtype=param_dtype)
             counted.clear()
             for m in range(2):
-                train(*data(type(net), 0, world.rank, m, n=2))
+                train(*data(type(net), 0, world.world_rank, m, n=2))
             got = {op: {"calls": 0, "bytes": 0} for op in ("all_reduce", "all_gather", "reduce_scatter")}
             for op, nbytes in counted:
                 got[op]["calls"] += 1
@@ -214,7 +214,7 @@ def count_collectives(world, out_dir):
             extra = []
             if stage == 3:
                 w2 = dataclasses.replace(train.zero_info.plan["w2"], dtype=param_dtype or "float32")
-                shape = CommShape(world.group_size, world.world_size, world.emulated)
+                shape = world
                 extra = 2 * (all_gather_calls([w2], shape, "forward") + reduce_scatter_calls([w2], shape, "backward"))
             extra = summarize(extra)
             results[f"{stage}-{'fused' if fused else 'plain'}{'-fp16' if param_dtype else ''}"] = dict(
@@ -228,7 +228,7 @@ def count_collectives(world, out_dir):
 
 def check_collectives(world, out_dir):
     """AnyRank / ReduceScatterSum / AllGather against numpy, on this world."""
-    n, r = world.group_size, world.rank
+    n, r = world.world_size, world.world_rank
     x = np.arange(3 * n, dtype=np.float32) * (r + 1)
     rs = ReduceScatterSum(world)(Tensor(x), 0).asnumpy()
     expect_rs = (np.arange(3 * n, dtype=np.float32) * sum(range(1, n + 1)))[3 * r:3 * r + 3]
@@ -247,7 +247,7 @@ def check_plan_mismatch(world, out_dir):
     from mindspore import Parameter
 
     net = build("awkward")
-    if world.rank == world.group_size - 1:
+    if world.world_rank == world.world_size - 1:
         net.proj = Parameter(Tensor(np.zeros((15, 18), np.float32)), name="proj")
     try:
         mindzero.prepare_train_network(net, nn.Adam(net.trainable_params()), zero_stage=3)
@@ -263,16 +263,16 @@ def main():
     ap.add_argument("--only", default="")
     args = ap.parse_args()
     world = start_data_parallel()
-    out_dir = Path(args.out) / f"rank_{world.rank}"
+    out_dir = Path(args.out) / f"rank_{world.world_rank}"
     out_dir.mkdir(parents=True, exist_ok=True)
     check_collectives(world, out_dir)
     check_plan_mismatch(world, out_dir)
     count_collectives(world, out_dir)
     memory = {}
-    ran = [scn["name"] for scn in scenarios(world.group_size)
+    ran = [scn["name"] for scn in scenarios(world.world_size)
            if not args.only or scn["name"].startswith(tuple(args.only.split(",")))]
     (out_dir / "scenarios.json").write_text(json.dumps(ran))
-    for scn in scenarios(world.group_size):
+    for scn in scenarios(world.world_size):
         if args.only and not scn["name"].startswith(tuple(args.only.split(","))):
             continue
         t = time.time()
@@ -282,7 +282,7 @@ def main():
             memory[scn["name"]] = mem
         print(f"scenario {scn['name']}: {time.time() - t:.1f}s", flush=True)
     (out_dir / "memory.json").write_text(json.dumps(memory, indent=1))
-    (Path(args.out) / f"rank_{world.rank}.done").write_text("ok")
+    (Path(args.out) / f"rank_{world.world_rank}.done").write_text("ok")
 
 
 if __name__ == "__main__":

@@ -244,7 +244,7 @@ def test_verbose_logs_the_plan(caplog):
         step = mindzero.prepare_train_network(net, nn.AdamWeightDecay(net.trainable_params(), 1e-3), zero_stage=2,
                                               verbose=True, comm_fusion=fusion)
     text = caplog.text
-    assert "zero_stage=2, group size 1" in text and "comm_fusion: allreduce 1 MiB" in text
+    assert "zero_stage=2, op group 1 (the world)" in text and "comm_fusion: allreduce 1 MiB" in text
     rep = mindzero.memory_report(step)
     assert f"{rep['optimizer_states'] / 2 ** 20:.3f} MiB (plan {rep['optimizer_states'] / 2 ** 20:.3f} MiB)" in text
     assert "replicated out.bias" in text and "parallel_optimizer=False" in text

@@ -2,8 +2,9 @@
 paper's communication volumes (2Φ, 2Φ, 2Φ, 3Φ) and the CPU emulation's extra traffic."""
 import pytest
 
-from mindzero.comm_plan import CommShape, buckets, plan_state, step_calls, summarize
+from mindzero.comm_plan import buckets, plan_state, step_calls, summarize
 from mindzero.config import FusionConfig, ZeroConfig, parse_comm_fusion
+from mindzero.layout import COLLECTIVES, EMULATED, World
 from mindzero.plan import ParamInfo, PartitionPlan
 
 MIB = 2 ** 20
@@ -38,12 +39,12 @@ def _specs(n, shapes=((1000, 1000), (1000,), (37, 11))):
     return list(plan)
 
 
-def _calls(specs, stage, shape, fusion=FusionConfig(), k=1, clip_grad=False, regather=True):
-    return step_calls(plan_state(specs, ZeroConfig(stage, k, clip_grad), fusion, regather), shape)
+def _calls(specs, stage, world, fusion=FusionConfig(), k=1, clip_grad=False, regather=True):
+    return step_calls(plan_state(specs, ZeroConfig(stage, k, clip_grad), fusion, regather), world)
 
 
 def _traffic(stage, n, emulated, fusion=FusionConfig(), k=1, **kw):
-    calls = _calls(_specs(n), stage, CommShape(n, n, emulated), fusion, k, **kw)
+    calls = _calls(_specs(n), stage, World.of_sizes(n, n, EMULATED if emulated else COLLECTIVES), fusion, k, **kw)
     return calls, summarize(calls)
 
 
@@ -79,12 +80,12 @@ def test_cpu_emulation_extra_traffic():
 def test_hybrid_and_accumulation_and_clip():
     specs = _specs(2)
     assert all(s.sharded for s in specs)
-    shape = CommShape(group_size=2, world_size=8, emulated=False)
-    s = summarize(_calls(specs, 2, shape, k=3, clip_grad=True))
+    world = World.of_sizes(2, 8, COLLECTIVES)
+    s = summarize(_calls(specs, 2, world, k=3, clip_grad=True))
     # stage 2 reduce-scatters every micro-step; hybrid adds a dp all-reduce of each shard
     assert s["reduce_scatter"]["calls"] == 9 and s["all_gather"]["calls"] == 3
     assert s["all_reduce"]["calls"] == 9 + 1 + 1  # dp all-reduces, flag, clip norm
-    emu = summarize(_calls(specs, 2, CommShape(2, 8, True), k=3, clip_grad=True))
+    emu = summarize(_calls(specs, 2, World.of_sizes(2, 8, EMULATED), k=3, clip_grad=True))
     # CPU hybrid: the op-group all-gather is a world all-gather (4 replicas' rows)
     assert emu["all_gather"]["bytes"] == 4 * s["all_gather"]["bytes"]
 

@@ -92,7 +92,7 @@ def test_reshard_round_trip(tmp_path, n, m, stage, new_stage):
     full = write_synthetic(tmp_path / "ck", n, stage)
     reshard_checkpoint(tmp_path / "ck", tmp_path / "re", m, stage=new_stage, log=None)
     infos = [SplitInfo.read(tmp_path / "re" / split_info_name(r)) for r in range(m)]
-    assert {i.group_size for i in infos} == {m} and {i.stage for i in infos} == {new_stage}
+    assert {i.op_size for i in infos} == {m} and {i.stage for i in infos} == {new_stage}
     merge_checkpoint(tmp_path / "re", tmp_path / "m.ckpt", with_optimizer=True, log=None)
     reader = CkptReader(tmp_path / "m.ckpt")
     for name, value in full.items():
@@ -315,10 +315,10 @@ def test_piece_for_another_layout_reads_only_overlapping_pieces(tmp_path, n, m, 
     for info in _resharded_infos(src, m, new_stage, "ckpt", "run-new"):
         for t in info.tensors:
             reads.clear()
-            got = src.piece_for(t, info.rank)
+            got = src.piece_for(t, info.op_rank)
             value = full[t.name].reshape(-1)
             if t.name == "bn.moving_mean":
-                value = value + 100.0 * (info.rank if info.rank < n else 0)
+                value = value + 100.0 * (info.op_rank if info.op_rank < n else 0)
             elif t.sharded:
                 value = np.concatenate([value, np.zeros(t.shard_size * m - value.size, value.dtype)])
                 value = value[t.offset:t.offset + t.shard_size]
@@ -327,4 +327,4 @@ def test_piece_for_another_layout_reads_only_overlapping_pieces(tmp_path, n, m, 
                     assert all((r.offset < t.offset + t.valid and t.offset < r.offset + r.valid)
                                or (r.offset, r.shard_size) == (t.offset, t.shard_size) for r in reads), (t, reads)
                     assert len(reads) <= -(-t.shard_size // old.shard_size) + 1, (t, reads)
-            np.testing.assert_array_equal(got.reshape(-1), value, err_msg=f"{t.name} new rank {info.rank}")
+            np.testing.assert_array_equal(got.reshape(-1), value, err_msg=f"{t.name} new rank {info.op_rank}")

@@ -77,7 +77,7 @@ def test_plan_build_reasons():
         ParamInfo("bias", (5,), parallel_optimizer=False),
         ParamInfo("bn.moving_mean", (6,), optimized=False),
         ParamInfo("empty", (0, 3)),
-    ], group_size=4, rank=1)
+    ], op_size=4, op_rank=1)
     assert [s.name for s in plan.sharded] == ["a"]
     assert {s.name: s.reason for s in plan.replicated} == {
         "bias": REASON_USER, "bn.moving_mean": REASON_NOT_OPTIMIZED, "empty": REASON_EMPTY}
@@ -96,9 +96,9 @@ def test_plan_fingerprint_detects_differences():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(group_size=0, rank=0), "group_size must be an int >= 1, got 0"),
-    (dict(group_size=2, rank=2), r"rank must be an int in \[0, group_size=2\), got 2"),
-    (dict(group_size=2.0, rank=0), "group_size must be an int >= 1, got 2.0"),
+    (dict(op_size=0, op_rank=0), "op_size must be an int >= 1, got 0"),
+    (dict(op_size=2, op_rank=2), r"op_rank must be an int in \[0, op_size=2\), got 2"),
+    (dict(op_size=2.0, op_rank=0), "op_size must be an int >= 1, got 2.0"),
 ])
 def test_plan_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
