@@ -8,8 +8,8 @@ setup(
     python_requires=">=3.9",
     install_requires=["mindspore==2.10.0", "numpy<2", "pyyaml", "tqdm"],
     extras_require={"test": ["pytest"]},
-    entry_points={"console_scripts": ["mindzero-merge=mindzero.merge:main_merge",
-                                      "mindzero-reshard=mindzero.merge:main_reshard",
-                                      "mindzero-verify=mindzero.merge:main_verify",
-                                      "mindzero-estimate=mindzero.estimate:main"]},
+    entry_points={"console_scripts": ["mindzero-merge=mindzero.checkpoint.cli:main_merge",
+                                      "mindzero-reshard=mindzero.checkpoint.cli:main_reshard",
+                                      "mindzero-verify=mindzero.checkpoint.cli:main_verify",
+                                      "mindzero-estimate=mindzero.core.estimate:main"]},
 )

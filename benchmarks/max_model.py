@@ -28,8 +28,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from mindzero.estimate import paper_formula  # noqa: E402
-from mindzero.local_launch import MemoryLimitExceeded, MemoryWatch, launch  # noqa: E402
+from mindzero.core.estimate import paper_formula  # noqa: E402
+from mindzero.launch.local import MemoryLimitExceeded, MemoryWatch, launch  # noqa: E402
 
 GIB = 2 ** 30
 NAMES = {"dp": "plain DP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3"}

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mindzero.ckpt_io import crc32_array, open_writer  # noqa: E402
-from mindzero.plan import ParamInfo, PartitionPlan  # noqa: E402
-from mindzero.split_info import SplitInfo, TensorEntry, split_info_name, write_marker  # noqa: E402
+from mindzero.checkpoint.tensor_io import crc32_array, open_writer  # noqa: E402
+from mindzero.core.plan import ParamInfo, PartitionPlan  # noqa: E402
+from mindzero.checkpoint.format import SplitInfo, TensorEntry, split_info_name, write_marker  # noqa: E402
 
 
 def make_checkpoint(directory: Path, mib: int, ranks: int) -> tuple:
@@ -72,10 +72,10 @@ def main():
     out = Path(a.out)
     shutil.rmtree(out, ignore_errors=True)
     total, largest = make_checkpoint(out / "ckpt", a.mib, a.ranks)
-    base, _, _ = child_peak("import numpy, mindzero.merge")
-    peak, secs, text = child_peak(f"from mindzero.merge import merge_checkpoint; "
+    base, _, _ = child_peak("import numpy, mindzero.checkpoint.offline")
+    peak, secs, text = child_peak(f"from mindzero.checkpoint.offline import merge_checkpoint; "
                                   f"merge_checkpoint('{out / 'ckpt'}', '{out / 'merged.ckpt'}')")
-    vpeak, vsecs, _ = child_peak(f"from mindzero.merge import verify_checkpoint; "
+    vpeak, vsecs, _ = child_peak(f"from mindzero.checkpoint.offline import verify_checkpoint; "
                                  f"assert verify_checkpoint('{out / 'ckpt'}')['ok']")
     size = (out / "merged.ckpt").stat().st_size
     res = {"checkpoint_mib": total / 2**20, "ranks": a.ranks, "largest_tensor_mib": largest / 2**20,

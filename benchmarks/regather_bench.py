@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from mindzero.local_launch import msrun  # noqa: E402
+from mindzero.launch.local import msrun  # noqa: E402
 
 
 def pool_peak_mib(log: str) -> float:

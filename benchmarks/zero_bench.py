@@ -34,8 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from mindzero.estimate import paper_formula  # noqa: E402
-from mindzero.local_launch import msrun  # noqa: E402
+from mindzero.core.estimate import paper_formula  # noqa: E402
+from mindzero.launch.local import msrun  # noqa: E402
 from zero_bench_worker import add_model_args, model_args  # noqa: E402
 
 MIB = 2 ** 20

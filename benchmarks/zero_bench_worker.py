@@ -125,13 +125,13 @@ def time_collectives(phi, world):
 
 def dp_comm(net, world):
     """The collectives of one plain-DP step: MindSpore's reducer all-reduces every gradient."""
-    from mindzero.comm_plan import CommShape, plan_state, step_calls, summarize
-    from mindzero.config import ZeroConfig
-    from mindzero.plan import ParamInfo, PartitionPlan
+    from mindzero.core.comm_plan import plan_state, step_calls, summarize
+    from mindzero.core.config import ZeroConfig
+    from mindzero.core.plan import ParamInfo, PartitionPlan
 
     specs = list(PartitionPlan.build([ParamInfo(p.name, tuple(p.shape)) for p in net.trainable_params()],
                                      world.world_size, world.world_rank))
-    calls = step_calls(plan_state(specs, ZeroConfig(0)), CommShape(world.world_size, world.world_size, True))
+    calls = step_calls(plan_state(specs, ZeroConfig(0)), world)
     s = summarize([c for c in calls if c.nbytes > 4])  # no overflow flag in MindSpore's step
     return {op: s[op] for op in s}
 
@@ -141,7 +141,7 @@ def main():
     from mindspore import Tensor, nn
 
     import mindzero
-    from mindzero.comm_plan import summarize
+    from mindzero.core.comm_plan import summarize
 
     world = mindzero.start_data_parallel()
     phases = Phases()
@@ -205,7 +205,7 @@ def main():
     (out / f"rank_{world.world_rank}.json").write_text(json.dumps(result, indent=1))
     (out / f"rank_{world.world_rank}.done").write_text("ok")
     if a.config != "dp" and world.world_rank == 0:  # after the measurements: building the text costs memory too
-        from mindzero.prepare import plan_text
+        from mindzero.engine.report import plan_text
         print(plan_text(train), flush=True)
 
 

@@ -30,9 +30,9 @@ from mindspore import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mindzero  # noqa: E402
-from mindzero.checkpoint import complete_checkpoints, latest_checkpoint  # noqa: E402
+from mindzero.checkpoint.live import complete_checkpoints, latest_checkpoint  # noqa: E402
 from mindzero.comm import AllGather  # noqa: E402
-from mindzero.merge import merge_checkpoint  # noqa: E402
+from mindzero.checkpoint.offline import merge_checkpoint  # noqa: E402
 from gpt import GPT, CharTokenizer, LMLoss, batches, generate, init_params, make_corpus  # noqa: E402
 
 KINDS = ("parameters", "gradients", "optimizer_states")

@@ -3,7 +3,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mindzero.merge import main_reshard  # noqa: E402
+from mindzero.checkpoint.cli import main_reshard  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main_reshard())

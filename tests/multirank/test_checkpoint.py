@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mindzero
-from mindzero.local_launch import msrun
+from mindzero.launch.local import msrun
 
 HERE = Path(__file__).resolve().parent
 STAGES = (0, 1, 2, 3)
@@ -102,7 +102,7 @@ def test_merge_loads_into_plain_network(runs, stage, tmp_path):
 def test_merge_with_optimizer_states(runs, tmp_path):
     out = tmp_path / "with_opt.ckpt"
     mindzero.merge_checkpoint(runs / "checkpoints" / "mixed-3", out, with_optimizer=True, log=None)
-    from mindzero.ckpt_io import CkptReader
+    from mindzero.checkpoint.tensor_io import CkptReader
 
     names = CkptReader(out).names()
     assert "adam_m.inp.weight" in names and "adam_v.out.bias" in names and "global_step" in names
@@ -122,7 +122,7 @@ def test_mindone_style_convert_checkpoints(runs, tmp_path):
     saved = load(runs / "train2", 0, "mixed-3")
     for k in (k for k in saved if k.startswith("saved/")):
         np.testing.assert_array_equal(merged[k[len("saved/"):]].asnumpy(), saved[k])
-    with pytest.raises(mindzero.merge.MergeError, match="group_size is 4, but the checkpoint was saved by 2"):
+    with pytest.raises(mindzero.MergeError, match="group_size is 4, but the checkpoint was saved by 2"):
         mindzero.convert_checkpoints(str(src / "rank_{}.ckpt"), str(src / "params_split_info_{}.json"), 4)
 
 
@@ -180,8 +180,8 @@ def test_load_across_precision_policies(runs):
 def test_merge_mixed_precision_writes_fp32_masters(runs, stage, tmp_path):
     """A param_dtype=float16 checkpoint merges to the fp32 master values by default (the split info records
     both dtypes), or to the fp16 values the network held with parameter_values='param'."""
-    from mindzero.ckpt_io import open_reader
-    from mindzero.split_info import SplitInfo
+    from mindzero.checkpoint.tensor_io import open_reader
+    from mindzero.checkpoint.format import SplitInfo
 
     saved = load(runs / "train2", 0, f"mp-mixed-{stage}")
     ckpt = runs / "checkpoints" / f"mp-mixed-{stage}"

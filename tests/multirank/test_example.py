@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import mindzero
-from mindzero.ckpt_io import open_reader
-from mindzero.local_launch import msrun, rank_output
+from mindzero.checkpoint.tensor_io import open_reader
+from mindzero.launch.local import msrun, rank_output
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

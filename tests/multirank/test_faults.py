@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import mindzero
-from mindzero.ckpt_io import CkptReader
-from mindzero.local_launch import msrun, rank_output
-from mindzero.split_info import SplitInfo, split_info_name, write_marker
+from mindzero.checkpoint.tensor_io import CkptReader
+from mindzero.launch.local import msrun, rank_output
+from mindzero.checkpoint.format import SplitInfo, split_info_name, write_marker
 
 HERE = Path(__file__).resolve().parent
 

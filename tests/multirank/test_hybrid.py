@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mindzero.local_launch import msrun
-from mindzero.merge import merge_checkpoint, reshard_checkpoint
-from mindzero.ckpt_io import open_reader
+from mindzero.launch.local import msrun
+from mindzero.checkpoint.offline import merge_checkpoint, reshard_checkpoint
+from mindzero.checkpoint.tensor_io import open_reader
 from test_parity import ON_CPU, assert_same_run, load, rel_err
 
 HERE = Path(__file__).resolve().parent

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mindzero.local_launch import launch
+from mindzero.launch.local import launch
 from test_parity import assert_same_run, load, test_collectives, test_plan_mismatch_fails_on_every_rank  # noqa: F401
 
 HERE = Path(__file__).resolve().parent

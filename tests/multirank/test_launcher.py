@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mindzero.local_launch import free_port, msrun
+from mindzero.launch.local import free_port, msrun
 
 HERE = Path(__file__).resolve().parent
 

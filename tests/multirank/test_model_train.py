@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mindzero.local_launch import msrun, rank_output
+from mindzero.launch.local import msrun, rank_output
 
 HERE = Path(__file__).resolve().parent
 N, STAGES, STEPS = 2, (0, 3), 30

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mindzero.local_launch import msrun
+from mindzero.launch.local import msrun
 
 HERE = Path(__file__).resolve().parent
 RTOL = 1e-5
@@ -226,7 +226,7 @@ def test_forced_overflow_is_skipped_by_all_ranks(run, stage):
 
 def _padding_and_replicated(out, scenario, n, replicated=()):
     """Total padding elements and replicated elements (fp32 models), from the shapes of a stage-0 run."""
-    from mindzero.plan import shard_size_for
+    from mindzero.core.plan import shard_size_for
 
     ref = load(out, 0, scenario)
     pad = repl = 0
@@ -360,9 +360,9 @@ def test_mixed_precision_with_accumulation_clip_and_ema(run, stage):
 def test_mixed_precision_memory_is_the_paper_formula(run, stage):
     """fp16 parameters and gradient buffers, fp32 masters and Adam moments (awkward shapes, K=4): what each rank
     holds equals the plan, and the ZeRO paper's 2Φ+2Φ+12Φ, 4Φ+12Φ/N, 2Φ+14Φ/N, 16Φ/N up to padding."""
-    from mindzero.estimate import paper_formula
+    from mindzero.core.estimate import paper_formula
 
-    from mindzero.plan import shard_size_for
+    from mindzero.core.plan import shard_size_for
 
     n, out = run
     sizes = [v.size for k, v in load(out, 0, "mp-accum-0").items() if k.startswith("param/") and "@" not in k]

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mindzero.local_launch import msrun
+from mindzero.launch.local import msrun
 
 HERE = Path(__file__).resolve().parent
 MARGIN_MIB = 64  # framework allocations during prepare (the plan check compiles a small graph)

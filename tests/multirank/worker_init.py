@@ -21,7 +21,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Initializer, Sparse, TruncatedNormal, initializer
 
 import mindzero
-from mindzero.materialize import is_lazy
+from mindzero.engine.materialize import is_lazy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, LMLoss  # noqa: E402

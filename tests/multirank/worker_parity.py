@@ -177,7 +177,7 @@ def count_collectives(world, out_dir):
     import mindspore as ms
     from mindspore import ops
 
-    from mindzero.comm_plan import all_gather_calls, reduce_scatter_calls, summarize
+    from mindzero.core.comm_plan import all_gather_calls, reduce_scatter_calls, summarize
 
     counted = []
     originals = {}

@@ -5,7 +5,7 @@ import mindspore as ms
 from mindspore import Tensor, nn
 
 import mindzero
-from mindzero.checkpoint import CheckpointError
+from mindzero.checkpoint.live import CheckpointError
 from models import MODELS, build
 
 ms.set_context(mode=ms.GRAPH_MODE)
@@ -70,7 +70,7 @@ def test_load_at_another_stage_restores_the_same_state(tmp_path):
 
 
 def test_corrupted_checkpoint_is_refused_and_nothing_changes(tmp_path):
-    from mindzero.ckpt_io import CkptReader
+    from mindzero.checkpoint.tensor_io import CkptReader
 
     mindzero.save_checkpoint(_train(stage=3), tmp_path / "ck")
     path = tmp_path / "ck" / "rank_0.ckpt"

@@ -10,7 +10,7 @@ import mindspore as ms
 from mindspore import nn
 
 import mindzero
-from mindzero.ckpt_io import open_reader
+from mindzero.checkpoint.tensor_io import open_reader
 from models import build
 
 ms.set_context(mode=ms.GRAPH_MODE)

@@ -2,10 +2,10 @@
 paper's communication volumes (2Φ, 2Φ, 2Φ, 3Φ) and the CPU emulation's extra traffic."""
 import pytest
 
-from mindzero.comm_plan import buckets, plan_state, step_calls, summarize
-from mindzero.config import FusionConfig, ZeroConfig, parse_comm_fusion
-from mindzero.layout import COLLECTIVES, EMULATED, World
-from mindzero.plan import ParamInfo, PartitionPlan
+from mindzero.core.comm_plan import buckets, plan_state, step_calls, summarize
+from mindzero.core.config import FusionConfig, ZeroConfig, parse_comm_fusion
+from mindzero.core.topology import COLLECTIVES, EMULATED, World
+from mindzero.core.plan import ParamInfo, PartitionPlan
 
 MIB = 2 ** 20
 

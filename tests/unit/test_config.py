@@ -4,13 +4,13 @@ import sys
 
 import pytest
 
-from mindzero.config import STAGES, MixedPrecision, ZeroConfig, stage_policy
-from mindzero.memory import expected_bytes
-from mindzero.plan import ParamInfo, PartitionPlan
+from mindzero.core.config import STAGES, MixedPrecision, ZeroConfig, stage_policy
+from mindzero.core.memory import expected_bytes
+from mindzero.core.plan import ParamInfo, PartitionPlan
 
 
 def test_no_mindspore_import():
-    code = "import sys, mindzero, mindzero.plan, mindzero.config, mindzero.memory; print('mindspore' in sys.modules)"
+    code = "import sys, mindzero, mindzero.core.plan, mindzero.core.config, mindzero.core.memory; print('mindspore' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out
 
@@ -85,7 +85,7 @@ def test_mixed_precision_policy_parse():
 def test_mixed_precision_bytes_are_the_paper_formula(stage):
     """fp16 parameters and gradient buffers, fp32 masters and Adam moments: 16Φ, 4Φ+12Φ/N, 2Φ+14Φ/N, 16Φ/N
     exactly when every shape divides by N."""
-    from mindzero.estimate import paper_formula
+    from mindzero.core.estimate import paper_formula
 
     mp = MixedPrecision.parse("float16")
     plan = PartitionPlan.build([ParamInfo("a", (8, 4), "float16"), ParamInfo("b", (16,), "float16")], 4, 1)

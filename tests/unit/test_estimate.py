@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from mindzero.estimate import estimate_memory, main, paper_formula
+from mindzero.core.estimate import estimate_memory, main, paper_formula
 
 PHI = 8 * 1024  # divisible by every group size below: plan arithmetic equals the formula exactly
 
@@ -76,6 +76,6 @@ def test_cli_table_and_json(tmp_path, capsys):
 
 
 def test_cli_runs_without_mindspore():
-    code = "import sys; from mindzero.estimate import main; main(['--params', '1000']); print('mindspore' in sys.modules)"
+    code = "import sys; from mindzero.core.estimate import main; main(['--params', '1000']); print('mindspore' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip().endswith("False"), res.stdout

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mindzero import merge_checkpoint, reshard_checkpoint, verify_checkpoint
-from mindzero.ckpt_io import open_reader
+from mindzero.checkpoint.tensor_io import open_reader
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden"
 CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "case.json").exists())

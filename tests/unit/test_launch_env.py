@@ -2,8 +2,8 @@
 launcher reports (which rank failed first): pure logic, no MindSpore, no processes."""
 import pytest
 
-from mindzero.launch import cluster_env, job_port, launcher_rank
-from mindzero.local_launch import first_failure
+from mindzero.launch.mpi import cluster_env, job_port, launcher_rank
+from mindzero.launch.local import first_failure
 
 
 def test_openmpi_pmi_and_slurm_variables():
@@ -65,7 +65,7 @@ def test_rank0_keeps_the_scheduler_when_the_script_exits_cleanly(monkeypatch, tm
     (the other ranks still unregister from it; found as an mpirun job aborted with "Failed to unregister
     from the meta server node"); on a failure it kills it so nobody waits. No processes: the scheduler is
     a stand-in."""
-    import mindzero.launch as launch
+    import mindzero.launch.mpi as launch
 
     class Scheduler:
         kills = 0

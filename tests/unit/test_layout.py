@@ -1,7 +1,7 @@
 """Hybrid layouts (pure): the contiguous layout, normalisation, and each layout error."""
 import pytest
 
-from mindzero.layout import HybridLayout, LayoutError
+from mindzero.core.topology import HybridLayout, LayoutError
 
 
 def test_contiguous_layout():

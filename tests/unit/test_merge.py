@@ -9,10 +9,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from mindzero.ckpt_io import CkptReader, crc32_array, open_reader, open_writer
-from mindzero.merge import MergeError, merge_checkpoint, reshard_checkpoint, verify_checkpoint
-from mindzero.plan import REASON_NOT_OPTIMIZED, ParamInfo, PartitionPlan
-from mindzero.split_info import FORMAT_VERSION, SplitInfo, entry_at, split_info_name, write_marker
+from mindzero.checkpoint.tensor_io import CkptReader, crc32_array, open_reader, open_writer
+from mindzero.checkpoint.source import MergeError
+from mindzero.checkpoint.offline import merge_checkpoint, reshard_checkpoint, verify_checkpoint
+from mindzero.core.plan import REASON_NOT_OPTIMIZED, ParamInfo, PartitionPlan
+from mindzero.checkpoint.format import FORMAT_VERSION, SplitInfo, entry_at, split_info_name, write_marker
 
 SHAPES = {"a.weight": (7, 15), "b.weight": (17, 257), "c": (), "bn.moving_mean": (6,)}
 
@@ -63,7 +64,7 @@ def write_synthetic(directory, n, stage, fmt="ckpt", seed=0, per_rank_offset=100
 
 
 def test_no_mindspore_import():
-    code = "import sys, mindzero.merge, mindzero.ckpt_io, mindzero.split_info; print('mindspore' in sys.modules)"
+    code = "import sys, mindzero.checkpoint.offline, mindzero.checkpoint.cli, mindzero.checkpoint.tensor_io, mindzero.checkpoint.format; print('mindspore' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out
 
@@ -200,7 +201,7 @@ def test_verify_whole_checkpoint_and_cli(tmp_path):
     assert lines[-1].startswith("ok ") and "every checksum matches" in lines[-1], lines
     write_synthetic(tmp_path / "bad", 2, 1)
     _flip(tmp_path / "bad" / "network.ckpt", _tensor_offset(tmp_path / "bad" / "network.ckpt", "a.weight"))
-    code = "import sys; from mindzero.merge import main_verify; sys.exit(main_verify(sys.argv[1:]))"
+    code = "import sys; from mindzero.checkpoint.cli import main_verify; sys.exit(main_verify(sys.argv[1:]))"
     ok = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], capture_output=True, text=True)
     assert ok.returncode == 0 and "every checksum matches" in ok.stdout, ok
     bad = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck"), str(tmp_path / "bad")],
@@ -275,11 +276,11 @@ def test_existing_output_is_refused_and_kept(tmp_path):
 
 def test_cli_errors_and_summary(tmp_path):
     ck = _bad(tmp_path, lambda d: None)
-    ok = subprocess.run([sys.executable, "-c", "import sys; from mindzero.merge import main_merge; "
+    ok = subprocess.run([sys.executable, "-c", "import sys; from mindzero.checkpoint.cli import main_merge; "
                          f"sys.exit(main_merge(['{ck}', '-o', '{tmp_path / 'o.ckpt'}']))"],
                         capture_output=True, text=True)
     assert ok.returncode == 0 and "merged 4 tensors" in ok.stdout, ok
-    bad = subprocess.run([sys.executable, "-c", "import sys; from mindzero.merge import main_merge; "
+    bad = subprocess.run([sys.executable, "-c", "import sys; from mindzero.checkpoint.cli import main_merge; "
                           f"sys.exit(main_merge(['{ck}', '-o', '{tmp_path / 'o.ckpt'}']))"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "exists; pass force=True" in bad.stderr, bad
@@ -305,7 +306,8 @@ def test_piece_for_another_layout_reads_only_overlapping_pieces(tmp_path, n, m, 
     """Loading at another world size or stage (load_checkpoint's rule): what each new rank gets is the padded
     slice of the full tensor (per-rank buffers: old rank r's, rank 0's beyond the old world), and a new shard
     reads only the old pieces that overlap it."""
-    from mindzero.merge import Source, _resharded_infos
+    from mindzero.checkpoint.offline import _resharded_infos
+    from mindzero.checkpoint.source import Source
 
     full = write_synthetic(tmp_path / "ck", n, stage)
     src = Source(tmp_path / "ck", check_pieces=False)

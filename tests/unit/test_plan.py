@@ -5,14 +5,15 @@ import sys
 
 import pytest
 
-from mindzero.plan import (REASON_EMPTY, REASON_NOT_OPTIMIZED, REASON_USER, ParamInfo, PartitionPlan, ShardSpec,
+from mindzero.core.plan import (REASON_EMPTY, REASON_NOT_OPTIMIZED, REASON_USER, ParamInfo, PartitionPlan, ShardSpec,
                            is_per_rank, shard_of_flat, shard_size_for)
 
 SHAPES = [(7, 15), (17, 257), (1,), (), (4, 4), (3, 1, 5), (1000,), (2, 3, 5, 7)]
 
 
 def test_no_mindspore_import():
-    code = "import sys, mindzero, mindzero.plan, mindzero.config, mindzero.memory, mindzero.launch, mindzero.local_launch, mindzero.layout; print('mindspore' in sys.modules)"
+    code = ("import sys, mindzero, mindzero.core.plan, mindzero.core.config, mindzero.core.memory, mindzero.launch.local, "
+            "mindzero.launch.mpi, mindzero.core.topology; print('mindspore' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out
 

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from mindzero import ConfigError, load_config
-from mindzero.settings import CHECKPOINT_DEFAULTS, check_settings, resolve_settings
+from mindzero.core.settings import CHECKPOINT_DEFAULTS, check_settings, resolve_settings
 
 FULL = {
     "zero_stage": 3, "gradient_accumulation_steps": 2, "clip_grad": True, "clip_norm": 0.5,
@@ -27,7 +27,7 @@ def write(tmp_path, data, name="zero.yaml"):
 
 
 def test_no_mindspore_import():
-    code = ("import sys, mindzero, mindzero.settings; mindzero.load_config; "
+    code = ("import sys, mindzero, mindzero.core.settings; mindzero.load_config; "
             "print('mindspore' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out
@@ -60,21 +60,21 @@ def test_section_of_an_application_file(tmp_path):
     ("zero_stage", 4, "zero_stage must be 0, 1, 2 or 3, got 4"),
     ("gradient_accumulation_steps", 1.5, "must be an int >= 1"),
     ("gradient_accumulation_steps", 0, "must be an int >= 1"),
-    ("clip_grad", "yes", "must be true or false"),
+    ("clip_grad", "yes", "clip_grad must be a bool, got 'yes'"),
     ("clip_norm", -1, "must be a number > 0"),
-    ("drop_overflow_update", 1, "must be true or false"),
-    ("scale_sense", 0, "must be a number > 0"),
+    ("drop_overflow_update", 1, "drop_overflow_update must be a bool, got 1"),
+    ("scale_sense", 0, "scale_sense must be > 0, got 0.0"),
     ("scale_sense", {"init_loss_scale": 1024}, "exactly the keys init_loss_scale, scale_factor, scale_window"),
     ("scale_sense", {"init_loss_scale": 1024, "scale_factor": 1, "scale_window": 10}, "scale_factor a number > 1"),
-    ("ema", 1.5, "must be null or a decay in \\(0, 1\\)"),
+    ("ema", 1.5, "ema must be None, a decay in \\(0, 1\\)"),
     ("updates", -2, "must be an int >= 0"),
-    ("optimizer_offload", "false", "must be true or false"),
-    ("stage3_regather", None, "must be true or false"),
+    ("optimizer_offload", "false", "optimizer_offload must be a bool"),
+    ("stage3_regather", None, "stage3_regather must be a bool"),
     ("comm_fusion", {"broadcast": {}}, "comm_fusion key 'broadcast' is not one of"),
     ("comm_fusion", {"allgather": {"bucket_size": 0}}, "bucket_size'\\] must be a number of bytes >= 1"),
-    ("param_dtype", 16, "must be null or a dtype name"),
+    ("param_dtype", 16, "param_dtype must be None, float16 or bfloat16"),
     ("param_dtype", "float64", "param_dtype must be None, float16 or bfloat16"),
-    ("hybrid_shard_size", 0, "must be null or an int >= 1"),
+    ("hybrid_shard_size", 0, "hybrid_shard_size must be None or an int >= 1"),
 ])
 def test_bad_value_names_file_key_value_rule(tmp_path, key, value, rule):
     path = write(tmp_path, {key: value})
@@ -93,11 +93,11 @@ def test_reduce_dtype_without_param_dtype_names_reduce_dtype(tmp_path):
 
 
 @pytest.mark.parametrize("key, value, rule", [
-    ("dir", "", "must be a non-empty path"),
-    ("save_every", 0, "must be null \\(save at the end only\\) or an int >= 1"),
-    ("keep", -1, "must be an int >= 0"),
-    ("format", "h5", "must be one of \\['ckpt', 'safetensors'\\]"),
-    ("async_save", "yes", "must be true or false"),
+    ("dir", "", "dir must be a non-empty path"),
+    ("save_every", 0, "save_every must be None \\(save at the end only\\) or an int >= 1"),
+    ("keep", -1, "keep must be an int >= 0"),
+    ("format", "h5", "format must be one of \\['ckpt', 'safetensors'\\]"),
+    ("async_save", "yes", "async_save must be a bool"),
 ])
 def test_bad_checkpoint_value(tmp_path, key, value, rule):
     path = write(tmp_path, {"checkpoint": {key: value}})

@@ -66,7 +66,7 @@ def main():
         if flat.world_rank == 0:
             merged = Path(args.out) / f"{case}.{fmt}"
             mindzero.merge_checkpoint(tmp, merged, format=fmt, with_optimizer=True, log=None)
-            from mindzero.ckpt_io import open_reader
+            from mindzero.checkpoint.tensor_io import open_reader
             reader = open_reader(merged)
             arrays = {"param/" + k: v for k, v in params.items()}
             arrays.update({"master/" + k: v for k, v in masters.items()})

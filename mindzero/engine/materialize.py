@@ -26,9 +26,11 @@ plan order, equal across ranks with a common seed, but not equal to an eager bui
 from __future__ import annotations
 
 import contextlib
-import zlib
 
 import numpy as np
+
+from ..checkpoint.tensor_io import crc32_array
+from ..core.plan import shard_array
 
 _STATE = "_mindzero_rng_state"  # attribute on an initializer Tensor: NumPy's state for its eager init
 _DEPTH = [0]
@@ -170,7 +172,7 @@ def materialize(param, digests=None):
         with _numpy_state(getattr(param.init_mode, _STATE, None)):
             param.init_data()
         if digests is not None:
-            digests[param.name] = crc32(param.asnumpy())
+            digests[param.name] = crc32_array(param.asnumpy())
     return param
 
 
@@ -180,15 +182,17 @@ def shard_of(param, spec, digests=None) -> np.ndarray:
     CRC32 of the full value where one was computed (for the cross-rank check)."""
     from mindspore.common.initializer import Zero
 
-    from .shard import shard_array
-
     if is_lazy(param) and isinstance(param.init_mode.init, Zero):
         return np.zeros(spec.shard_size if spec.sharded else spec.numel, _np_dtype(param.dtype))
     full = full_array(param)
     if digests is not None:
-        digests[spec.name] = crc32(full)
+        digests[spec.name] = crc32_array(full)
     return shard_array(full, spec)
 
 
-def crc32(array: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
+def make_shard(param, spec, name: str, requires_grad: bool = True, digests=None):
+    """A new 1D Parameter named ``name`` holding this rank's padded shard of ``param`` (which may be lazy:
+    see :func:`shard_of`, which also fills ``digests``)."""
+    from mindspore import Parameter, Tensor
+
+    return Parameter(Tensor(shard_of(param, spec, digests), param.dtype), name=name, requires_grad=requires_grad)

@@ -26,9 +26,10 @@ from pathlib import Path
 
 from mindspore.train import Callback
 
-from .checkpoint import (CheckpointError, _Barrier, complete_checkpoints, latest_checkpoint, load_checkpoint,
-                         read_trainer_state, save_checkpoint, wait_for_save)
-from .settings import CHECKPOINT_DEFAULTS, check_settings, resolve_settings
+from ..core.config import CheckpointOptions, merge_settings
+from ..core.settings import resolve_settings
+from .live import CheckpointError, _Barrier, complete_checkpoints, latest_checkpoint, load_checkpoint, read_trainer_state
+from .save import save_checkpoint, wait_for_save
 
 logger = logging.getLogger("mindzero")
 PREFIX = "step_"
@@ -59,17 +60,14 @@ class ZeroCheckpoint(Callback):
         super().__init__()
         given = {"dir": None if directory is None else str(directory), "save_every": save_every, "keep": keep,
                  "format": format, "async_save": async_save}
-        explicit = {k: v for k, v in given.items() if v != CHECKPOINT_DEFAULTS[k]}
-        settings = check_settings({"checkpoint": explicit}, "ZeroCheckpoint")["checkpoint"]
+        defaults = CheckpointOptions().as_dict()
+        from_file = {}
         if config is not None:
-            from_file = {k: v for k, v in resolve_settings(config)["checkpoint"].items()
-                         if v != CHECKPOINT_DEFAULTS[k]}
-            both = sorted(set(from_file) & set(explicit))
-            if both:
-                k = both[0]
-                raise ValueError(f"ZeroCheckpoint: {k} is given both as an argument ({explicit[k]!r}) and in "
-                                 f"config ({from_file[k]!r}); give each setting once")
-            settings.update(from_file)
+            from_file = {k: v for k, v in resolve_settings(config)["checkpoint"].items() if v != defaults[k]}
+        try:
+            settings = CheckpointOptions(**merge_settings(given, from_file, defaults)).as_dict()
+        except ValueError as err:
+            raise ValueError(f"ZeroCheckpoint: {err}") from None
         if settings["dir"] is None:
             raise ValueError("ZeroCheckpoint: directory (or checkpoint.dir in config) is required, got None")
         info = train_net.zero_info

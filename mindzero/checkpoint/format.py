@@ -36,20 +36,21 @@ from __future__ import annotations
 import json
 import math
 import os
-import zlib
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 from pathlib import Path
+from typing import Optional
 
-from .config import stage_policy
-from .deprecation import renamed_property
-from .plan import is_per_rank, valid_elements
+from ..core.config import CHECKPOINT_FORMATS as FORMATS
+from ..core.checks import is_int
+from ..core.config import stage_policy
+from ..core.deprecation import renamed_property
+from ..core.plan import is_per_rank, valid_elements
+from .tensor_io import crc32_bytes
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: no checksums (read without verification)
 COMPLETE = "COMPLETE"  # the marker file written last into a finished checkpoint directory
 KINDS = ("parameter", "optimizer_state", "master", "ema", "scalar")
-FORMATS = ("ckpt", "safetensors")
 
 
 class SplitInfoError(ValueError):
@@ -154,8 +155,7 @@ class SplitInfo:
                 entry = TensorEntry(**{**t, "shape": tuple(t["shape"])})
             except (TypeError, KeyError) as err:
                 raise SplitInfoError(f"{path}: tensors[{i}] is malformed ({err})") from None
-            if entry.crc32 is not None and (isinstance(entry.crc32, bool) or not isinstance(entry.crc32, int)
-                                            or not 0 <= entry.crc32 < 1 << 32):
+            if entry.crc32 is not None and (not is_int(entry.crc32) or not 0 <= entry.crc32 < 1 << 32):
                 raise SplitInfoError(f"{path}: tensors[{i}] ({entry.name}) has crc32 {entry.crc32!r}, expected an "
                                      "unsigned 32-bit int or null")
             if entry.kind not in KINDS:
@@ -164,7 +164,7 @@ class SplitInfo:
             tensors.append(entry)
         for key in ("replicas", "replica"):  # optional: absent in checkpoints of runs without hybrid sharding
             value = raw.setdefault(key, 1 if key == "replicas" else 0)
-            if not isinstance(value, int) or value < (1 if key == "replicas" else 0):
+            if not is_int(value) or value < (1 if key == "replicas" else 0):
                 raise SplitInfoError(f"{path}: field {key!r} must be a non-negative int (replicas >= 1), "
                                      f"got {value!r}")
         if raw["replica"] >= raw["replicas"]:
@@ -198,7 +198,7 @@ def placement(kind: str, stage: int, plan_sharded: bool, per_rank: bool, rank: i
 
 def entry_at(name: str, kind: str, shape, dtype: str, spec, stage: int, fmt: str) -> TensorEntry:
     """The :class:`TensorEntry` of one tensor placed by :func:`placement` in a checkpoint of ``stage``;
-    ``spec`` is its parameter's :class:`mindzero.plan.ShardSpec` for the rank that stores it (``None`` for
+    ``spec`` is its parameter's :class:`mindzero.core.plan.ShardSpec` for the rank that stores it (``None`` for
     scalars, which rank 0 stores)."""
     per_rank = kind == "parameter" and spec is not None and spec.per_rank
     rank = spec.op_rank if spec is not None else 0
@@ -244,11 +244,6 @@ def check_consistent(infos, paths) -> None:
             changed = sorted(n for n in set(tensors) & set(ref_tensors) if tensors[n] != ref_tensors[n])
             raise SplitInfoError(f"{path}: tensor set differs from rank 0's (missing {missing[:3]}, extra "
                                  f"{extra[:3]}, different {changed[:3]})")
-
-
-def crc32_bytes(data) -> int:
-    """CRC-32 of a bytes-like object (zlib's, as in zip and PNG)."""
-    return zlib.crc32(data) & 0xFFFFFFFF
 
 
 def _marker_checksum(marker: dict) -> int:

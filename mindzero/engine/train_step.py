@@ -32,139 +32,13 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from .runtime import release_host_memory
-from .comm import (AllGather, AllReduceSum, AnyRank, Bucket, FusedAllGather, FusedAllReduceSum, FusedReduceScatterSum,
-                   ReduceScatterSum, World, own_shard, pick)
-from .state import OWN_SLICE, REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
-
-# Per-tensor work is written as kernels mapped over the gradient tuple with ``ops.Map`` (MindSpore's own
-# idiom, ``nn/wrap/grad_reducer.py``): the graph holds one call per tensor, and nothing grows a tuple one
-# element at a time (which unrolls into a graph quadratic in the number of tensors). Per-tensor constants
-# (paddings, positions, buckets) are tuples of Python numbers mapped alongside. A Cell a kernel calls is mapped
-# as an element too (a tuple of Cells): bound with ``ops.partial`` instead, MindSpore 2.10 fails to compile
-# the step ("The pointer[cnode_abs] is null"), as it does when a kernel chooses between two Cells with ``if``.
-_map = ops.Map()
-_reduce_unit = ops.MultitypeFuncGraph("mindzero_reduce_unit")
-_route = ops.MultitypeFuncGraph("mindzero_route")
-_reduce_grad = ops.MultitypeFuncGraph("mindzero_reduce_grad")
-_scale = ops.MultitypeFuncGraph("mindzero_scale")
-_finite = ops.MultitypeFuncGraph("mindzero_finite")
-_norm_sq = ops.MultitypeFuncGraph("mindzero_norm_sq")
-_accumulate = ops.MultitypeFuncGraph("mindzero_accumulate")
-_zero_after = ops.MultitypeFuncGraph("mindzero_zero_after")
-_depend_on = ops.MultitypeFuncGraph("mindzero_depend_on")
-_gather_unit = ops.MultitypeFuncGraph("mindzero_gather_unit")
-_write_full = ops.MultitypeFuncGraph("mindzero_write_full")
-_ema_update = ops.MultitypeFuncGraph("mindzero_ema_update")
-_cast_to = ops.MultitypeFuncGraph("mindzero_cast_to")
-_write_cast = ops.MultitypeFuncGraph("mindzero_write_cast")
-
-
-
-@_reduce_unit.register("Tuple", "Function", "Tuple", "Tuple")
-def _reduce_one_unit(grads, reducer, positions, bucket):
-    return reducer(pick(grads, positions), bucket)
-
-
-def _scaled(g, factor, scale, widen):
-    if widen:  # mixed precision: the optimizer updates fp32 masters; scale in fp32 (no fp16 underflow)
-        g = ops.cast(g, ms.float32)
-    if scale:
-        return g * ops.cast(factor, g.dtype)
-    return g
-
-
-@_reduce_grad.register("Tensor", "Bool", "Bool", "Function", "Number", "Tensor")
-def _reduce_one_grad(factor, scale, widen, reducer, padding, g):
-    return _scaled(reducer(g, padding), factor, scale, widen)
-
-
-@_route.register("Tuple", "Tuple", "Tensor", "Bool", "Bool", "Number", "Number", "Number")
-def _route_one(grads, reduced, factor, scale, widen, i, unit, index):
-    if unit < 0:
-        g = grads[i]
-    else:
-        g = reduced[unit][index]
-    return _scaled(g, factor, scale, widen)
-
-
-@_cast_to.register("TypeType", "Tensor")
-def _cast_one_to(dtype, g):
-    if g.dtype == dtype:  # no Cast node where nothing changes (every run without param_dtype)
-        return g
-    return ops.cast(g, dtype)
-
-
-@_write_cast.register("Tensor", "Tensor", "Tensor")
-def _write_one_cast(after, held, master):
-    return ops.assign(held, ops.cast(ops.depend(master, after), held.dtype))
-
-
-@_scale.register("Tensor", "Tensor")
-def _scale_one(factor, g):
-    return g * ops.cast(factor, g.dtype)
-
-
-@_finite.register("Tensor")
-def _finite_one(g):
-    return ops.isfinite(g).all()
-
-
-@_norm_sq.register("Number", "Number", "Number", "Number", "Number", "Tensor")
-def _norm_sq_one(want, op_rank, op_size, kind, padding, g):
-    """Sum of squares (shape ``(1,)``, fp32) of the part of ``g`` this rank counts in the global norm, if
-    ``g``'s norm kind is ``want`` (sharded or replicated); zero otherwise (adding it changes nothing)."""
-    if (kind == REPLICATED) != (want == REPLICATED):
-        return ops.zeros((1,), ms.float32)
-    if kind == OWN_SLICE:
-        g = own_shard(g.reshape((-1,)), padding, op_rank, op_size)
-    return ops.reduce_sum(ops.square(ops.cast(g, ms.float32))).reshape((1,))
-
-
-@_accumulate.register("Tensor", "Tensor")
-def _accumulate_one(buf, g):
-    return ops.assign_add(buf, g)
-
-
-@_zero_after.register("Tensor", "Tensor")
-def _zero_one_after(after, buf):
-    return ops.assign(buf, ops.depend(ops.zeros_like(buf), after))
-
-
-@_depend_on.register("Tensor", "Tensor")
-def _depend_one_on(after, x):
-    return ops.depend(x, after)
-
-
-@_gather_unit.register("Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
-def _gather_one_unit(after, fulls, shards, gather, positions, bucket):
-    held = pick(fulls, positions)
-    shards = _map(ops.partial(_depend_on, after), pick(shards, positions))
-    values = gather(_map(ops.partial(_cast_to, held[0].dtype), shards), bucket)  # a bucket has one dtype
-    return _map(_write_full, held, values)
-
-
-_gather_write = ops.MultitypeFuncGraph("mindzero_gather_write")
-
-
-@_gather_write.register("Tensor", "Function", "Tensor", "Tensor")
-def _gather_write_one(after, gather, full, shard):
-    # mixed precision: gather in param_dtype, half the bytes of fp32
-    return _write_one_full(full, gather(_cast_one_to(full.dtype, ops.depend(shard, after))))
-
-
-@_write_full.register("Tensor", "Tensor")
-def _write_one_full(full, value):
-    if value.shape[0] != full.size:  # drop the padding
-        value = value[:full.size]
-    return ops.assign(full, value.reshape(full.shape))
-
-
-@_ema_update.register("Tensor", "Tensor", "Tensor")
-def _ema_update_one(d, ema, w):
-    factor = ops.cast(d, ema.dtype)
-    return ops.assign(ema, ema * factor + ops.cast(w, ema.dtype) * (1.0 - factor))
-
+from ..comm.cells import (AllGather, AllReduceSum, AnyRank, Bucket, FusedAllGather, FusedAllReduceSum,
+                          FusedReduceScatterSum, ReduceScatterSum)
+from ..core.state import REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
+from ..core.topology import World
+from ..launch.runtime import release_host_memory
+from .kernels import (MAP, accumulate, cast_to, depend_on, ema_update, finite, gather_unit, gather_write, norm_sq,
+                      reduce_grad, reduce_unit, route, scale_by, write_cast, zero_after)
 
 class _Keep(nn.Cell):
     def construct(self, g, padding):
@@ -228,10 +102,10 @@ class Reduction(nn.Cell):
 
     def construct(self, grads, factor):
         if self.per_tensor:
-            return _map(ops.partial(_reduce_grad, factor, self.scale, self.widen), self.reducers, self.paddings,
+            return MAP(ops.partial(reduce_grad, factor, self.scale, self.widen), self.reducers, self.paddings,
                         grads)
-        reduced = _map(ops.partial(_reduce_unit, grads), self.reducers, self.positions, self.buckets)
-        return _map(ops.partial(_route, grads, reduced, factor, self.scale, self.widen), self.indices, self.unit_of,
+        reduced = MAP(ops.partial(reduce_unit, grads), self.reducers, self.positions, self.buckets)
+        return MAP(ops.partial(route, grads, reduced, factor, self.scale, self.widen), self.indices, self.unit_of,
                     self.index_of)
 
 
@@ -248,14 +122,14 @@ class GatherInto(nn.Cell):
         self.buckets = tuple(Bucket.of(u.specs) for u in units)
         self.per_tensor = all(len(pos) == 1 for pos in self.positions)
         self.gather = AllGather(world) if self.per_tensor else FusedAllGather(world)
-        self.gathers = (self.gather,) * len(units)  # mapped with the units (see the note at the top)
+        self.gathers = (self.gather,) * len(units)  # mapped with the units (see mindzero.engine.kernels)
 
     def construct(self, fulls, shards, after):
         """Gather after ``after``; returns ``after`` made to depend on every write."""
         if self.per_tensor:
-            done = _map(ops.partial(_gather_write, after), self.gathers, fulls, shards)
+            done = MAP(ops.partial(gather_write, after), self.gathers, fulls, shards)
         else:
-            done = _map(ops.partial(_gather_unit, after, fulls, shards), self.gathers, self.positions, self.buckets)
+            done = MAP(ops.partial(gather_unit, after, fulls, shards), self.gathers, self.positions, self.buckets)
         return ops.depend(after, done)
 
 
@@ -283,7 +157,7 @@ class WriteBack(nn.Cell):
         if self.has_gather:
             after = self.gather(self.fulls, self.shards, after)
         if self.has_local:
-            after = ops.depend(after, _map(ops.partial(_write_cast, after), self.helds, self.masters))
+            after = ops.depend(after, MAP(ops.partial(write_cast, after), self.helds, self.masters))
         return after
 
 
@@ -308,7 +182,7 @@ class ZeroEMA(nn.Cell):
         updates = self.updates + (1.0 - keep)
         d = self.decay * (1.0 - ops.exp(-updates / 2000.0))
         d = keep + (1.0 - keep) * d  # 1 on a skipped step: the EMA stays as it is
-        done = _map(ops.partial(_ema_update, d), self.ema_weights, weights)
+        done = MAP(ops.partial(ema_update, d), self.ema_weights, weights)
         return ops.depend(ops.assign(self.updates, updates), done)
 
 
@@ -322,6 +196,7 @@ class ZeroTrainOneStepCell(nn.Cell):
     def __init__(self, network, optimizer, state: ZeroState):
         super().__init__(auto_prefix=False)
         config, world = state.config, state.world
+        self.zero_info = state  # what the step was built from: read by memory reports, checkpoints and tools
         self.network = network
         self.network.set_grad()
         self.optimizer = optimizer
@@ -331,7 +206,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.micro = Reduction(n, state.micro, world)  # stage 2's reduce-scatter of each micro-step's gradients
         # the reductions at the accumulation boundary; mixed precision widens to fp32 (the optimizer's masters)
         self.boundary = Reduction(n, state.boundary, world, scale=True, widen=config.precision.enabled)
-        # per gradient (optimizer order): (norm kind, padding) for the clip norm (see _norm_sq_one)
+        # per gradient (optimizer order): (norm kind, padding) for the clip norm (see norm_sq_one)
         self.norm_kinds = tuple(ps.norm_kind for ps in state.params)
         self.norm_paddings = tuple(ps.reduce_spec.padding for ps in state.params)
         self.has_sharded_norm = any(kind != REPLICATED for kind in self.norm_kinds)
@@ -376,18 +251,18 @@ class ZeroTrainOneStepCell(nn.Cell):
         sens = ops.fill(loss.dtype, loss.shape, ops.cast(scale, loss.dtype))
         grads = self.grad(self.network, self.weights)(*inputs, sens)
         if self.reduce_dtype is not None:
-            grads = _map(ops.partial(_cast_to, self.reduce_dtype), grads)
+            grads = MAP(ops.partial(cast_to, self.reduce_dtype), grads)
         grads = self.micro(grads, scale)  # (no scaling here: the factor is applied once, at the boundary)
         if self.accum_steps == 1:
             overflow = self._apply(grads, scale)
         else:
-            step = ops.depend(self.micro_step + 1, _map(_accumulate, self.accum_buffers, grads))
+            step = ops.depend(self.micro_step + 1, MAP(accumulate, self.accum_buffers, grads))
             ops.assign(self.micro_step, step)
             overflow = ops.zeros((), ms.bool_)
             if step % self.accum_steps == 0:
-                grads = _map(ops.partial(_depend_on, step), self.accum_buffers)
+                grads = MAP(ops.partial(depend_on, step), self.accum_buffers)
                 overflow = self._apply(grads, scale)
-                overflow = ops.depend(overflow, _map(ops.partial(_zero_after, overflow), self.accum_buffers))
+                overflow = ops.depend(overflow, MAP(ops.partial(zero_after, overflow), self.accum_buffers))
         return loss, overflow, scale
 
     def _apply(self, grads, scale):
@@ -395,7 +270,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         # collective, makes the sums means of the unscaled gradients
         inv = ops.reciprocal(ops.cast(scale, ms.float32) * (self.accum_steps * self.world_size))
         grads = self.boundary(grads, inv)
-        overflow = self.any_rank(ops.logical_not(ops.stack(_map(_finite, grads)).all()))
+        overflow = self.any_rank(ops.logical_not(ops.stack(MAP(finite, grads)).all()))
         if self.has_manager:
             overflow = self.loss_scaling_manager(self.scale_sense, overflow)
         if self.clip_grad:
@@ -431,12 +306,12 @@ class ZeroTrainOneStepCell(nn.Cell):
         gradients are added once. Every stage therefore gets the same clip factor to
         the bit (a plain full-tensor norm would differ from the sharded one in rounding).
         """
-        total_sq = ops.addn(_map(ops.partial(_norm_sq, REPLICATED, self.op_rank, self.op_size), self.norm_kinds,
+        total_sq = ops.addn(MAP(ops.partial(norm_sq, REPLICATED, self.op_rank, self.op_size), self.norm_kinds,
                                  self.norm_paddings, grads))
         if self.has_sharded_norm:
-            sharded_sq = ops.addn(_map(ops.partial(_norm_sq, SHARD, self.op_rank, self.op_size), self.norm_kinds,
+            sharded_sq = ops.addn(MAP(ops.partial(norm_sq, SHARD, self.op_rank, self.op_size), self.norm_kinds,
                                        self.norm_paddings, grads))
             total_sq = self.sum_over_group(sharded_sq) + total_sq
         norm = ops.sqrt(total_sq)
         factor = self.clip_norm / ops.maximum(norm, self.clip_norm)
-        return _map(ops.partial(_scale, factor[0]), grads)
+        return MAP(ops.partial(scale_by, factor[0]), grads)

@@ -1,10 +1,14 @@
-"""Offline merge and reshard of mindzero checkpoints, one tensor at a time (no MindSpore import).
+"""Offline merge, reshard and verify of mindzero checkpoints, one tensor at a time (no MindSpore import).
 
 * :func:`merge_checkpoint`: one full checkpoint with the network's original parameter names
   (optionally the optimizer states too), loadable into the plain network for inference.
 * :func:`reshard_checkpoint`: the same training state laid out for another world size and/or stage,
   loadable with :func:`mindzero.load_checkpoint` by the new run.
+* :func:`verify_checkpoint`: every piece of a checkpoint against its checksum.
 * :func:`convert_checkpoints`: mindone's signature over a mindzero checkpoint directory.
+
+Every read goes through :class:`mindzero.checkpoint.source.Source`; the command lines are in
+:mod:`mindzero.checkpoint.cli`.
 
 Everything is validated before anything is written: all ranks' split-info files present and
 agreeing (:func:`mindzero.split_info.read_all`), every file present and not truncated, every
@@ -14,151 +18,16 @@ Peak memory is about one full tensor plus file buffers.
 from __future__ import annotations
 
 import shutil
-import warnings
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
-from .ckpt_io import CheckpointFileError, crc32_array, np_dtype, open_reader, open_writer
-from .plan import REASON_USER, ParamInfo, PartitionPlan, is_per_rank, shard_of_flat
-from .split_info import (FORMATS, SplitInfo, SplitInfoError, TensorEntry, entry_at, read_all, read_marker,
-                         split_info_name, write_marker)
-
-
-class MergeError(ValueError):
-    """The checkpoint cannot be merged or resharded; nothing was written."""
-
-
-class Source:
-    """A validated checkpoint directory: its marker, its ranks' split infos and a reader per file.
-
-    Validation before anything is read: the ``COMPLETE`` marker's checksum and every file it lists (size,
-    JSON checksums), every rank's split info present and agreeing. With ``check_pieces`` (merge, reshard,
-    verify) every piece's dtype and shape are checked up front; :func:`mindzero.load_checkpoint` checks only
-    the pieces it reads. Every piece read is verified against its CRC-32 (``format_version`` 2).
-    """
-
-    def __init__(self, ckpt_dir, check_pieces=True, error=None):
-        self.error = error or MergeError
-        self.dir = Path(ckpt_dir)
-        if not self.dir.is_dir():
-            raise self.error(f"{self.dir}: checkpoint directory does not exist")
-        try:
-            self.marker = read_marker(self.dir)
-            self.infos = read_all(self.dir)
-        except SplitInfoError as err:
-            raise self.error(str(err)) from None
-        self.ref = self.infos[0]
-        self.op_size = self.ref.op_size
-        self.verified = self.marker["verified"] and self.ref.format_version >= 2
-        if not self.verified:
-            warnings.warn(f"{self.dir}: a checkpoint without checksums (format_version {self.ref.format_version}); "
-                          "read without verification", stacklevel=2)
-        self.crcs = {}  # (file, key) -> CRC-32 recorded by the rank that wrote the piece
-        for info in self.infos:
-            for t in info.tensors:
-                if t.crc32 is not None:
-                    self.crcs[(t.file, t.key)] = t.crc32
-        self.readers = {}
-        self._by_name = [info.by_name() for info in self.infos]
-        if check_pieces:
-            for info in self.infos:
-                for t in info.tensors:
-                    self.check_piece(t)
-
-    def _reader(self, file):
-        if file not in self.readers:
-            try:
-                self.readers[file] = open_reader(self.dir / file)
-            except CheckpointFileError as err:
-                raise self.error(str(err)) from None
-        return self.readers[file]
-
-    def check_piece(self, t: TensorEntry) -> None:
-        try:
-            dtype, shape = self._reader(t.file).meta(t.key)
-        except CheckpointFileError as err:
-            raise self.error(str(err)) from None
-        want = (t.shard_size,) if t.sharded else tuple(t.shape)
-        if dtype != t.dtype or tuple(shape) != want:
-            raise self.error(f"{self.dir / t.file}: tensor {t.key!r} is {dtype}{tuple(shape)}, the split info "
-                             f"says {t.dtype}{want}")
-        if self.verified and (t.file, t.key) not in self.crcs:
-            raise self.error(f"{self.dir}: no rank's split info records a checksum for tensor {t.key!r} of "
-                             f"{t.file}")
-
-    def read_piece(self, t: TensorEntry) -> np.ndarray:
-        """One stored piece, as written (a shard with its padding, or a whole tensor), checksum verified."""
-        self.check_piece(t)
-        try:
-            value = self._reader(t.file).read(t.key)
-        except CheckpointFileError as err:
-            raise self.error(str(err)) from None
-        want = self.crcs.get((t.file, t.key))
-        if self.verified:
-            got = crc32_array(value)
-            if got != want:
-                raise self.error(f"{self.dir / t.file}: tensor {t.key!r} fails its checksum: CRC-32 {got}, the "
-                                 f"split info recorded {want} (the file was altered or damaged)")
-        return value
-
-    def entry(self, name: str, rank: int = 0) -> TensorEntry:
-        if name not in self._by_name[rank]:
-            raise self.error(f"{self.dir}: has no tensor {name!r}")
-        return self._by_name[rank][name]
-
-    def has(self, name: str) -> bool:
-        return name in self._by_name[0]
-
-    def window(self, name: str, start: int, count: int) -> np.ndarray:
-        """Elements ``[start, start + count)`` of the flattened full tensor ``name``, reading only the stored
-        pieces that overlap them (each whole, to verify it): about one tensor of memory at most."""
-        first = self.entry(name)
-        out = np.empty(count, dtype=np_dtype(first.dtype))
-        if not first.sharded:
-            out[:] = self.read_piece(first).reshape(-1)[start:start + count]
-            return out
-        for by_name in self._by_name:
-            t = by_name[name]
-            lo, hi = max(start, t.offset), min(start + count, t.offset + t.valid)
-            if lo < hi:
-                out[lo - start:hi - start] = self.read_piece(t)[lo - t.offset:hi - t.offset]
-        return out
-
-    def full(self, name: str) -> np.ndarray:
-        """The full tensor ``name``: rank 0's copy, or the shards of every rank joined and unpadded."""
-        first = self.entry(name)
-        return self.window(name, 0, first.numel).reshape(first.shape)
-
-    def rank_piece(self, name: str, rank: int) -> np.ndarray:
-        """Rank ``rank``'s own copy of a tensor stored per rank (e.g. BatchNorm statistics)."""
-        t = self.entry(name, rank)
-        return self.read_piece(t).reshape(t.shape)
-
-    def piece_for(self, target: TensorEntry, rank: int, full=None) -> np.ndarray:
-        """What rank ``rank`` of another layout stores for ``target`` (an entry of that layout): the one rule
-        behind both :func:`reshard_checkpoint` and loading at another world size or stage
-        (:func:`mindzero.load_checkpoint`). The same layout reads the stored piece as it is; a shard is
-        cut from the full tensor and zero-padded; a per-rank buffer (e.g. BatchNorm statistics) comes from
-        old rank ``rank``, or rank 0 when the old run had fewer ranks. ``full``: the full tensor if the caller
-        already holds it."""
-        if rank < self.op_size:
-            old = self.entry(target.name, rank)
-            if ((old.sharded, old.offset, old.shard_size) == (target.sharded, target.offset, target.shard_size)
-                    and old.file.startswith("rank_") == target.file.startswith("rank_")):
-                return self.read_piece(old).reshape((old.shard_size,) if old.sharded else old.shape)
-        if target.per_rank:
-            return self.rank_piece(target.name, rank if rank < self.op_size else 0)
-        if not target.sharded:
-            return full if full is not None else self.full(target.name)
-        if full is not None:
-            return shard_of_flat(full.reshape(-1), target)
-        piece = np.zeros(target.shard_size, dtype=np_dtype(target.dtype))
-        piece[:target.valid] = self.window(target.name, target.offset, target.valid)
-        return piece
+from ..core.checks import require_int
+from ..core.plan import REASON_USER, ParamInfo, PartitionPlan, is_per_rank
+from .format import FORMATS, SplitInfo, SplitInfoError, entry_at, split_info_name, write_marker
+from .source import MergeError, Source
+from .tensor_io import crc32_array, np_dtype, open_writer
 
 
 class _Progress:
@@ -283,8 +152,10 @@ def reshard_checkpoint(ckpt_dir, out_dir, world_size, stage=None, format=None, f
     Raises:
         MergeError: bad arguments or an invalid source; nothing is written.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise MergeError(f"world_size must be an int >= 1, got {world_size!r}")
+    try:
+        require_int("world_size", world_size, 1)
+    except ValueError as err:
+        raise MergeError(str(err)) from None
     src = Source(ckpt_dir)
     stage = src.ref.stage if stage is None else stage
     if stage not in (0, 1, 2, 3):
@@ -411,8 +282,10 @@ def convert_checkpoints(src_checkpoint, src_param_split_info_json, group_size, f
     Returns:
         the merged checkpoint's path, ``src_checkpoint.format(f"all_{group_size}")`` (as mindone does).
     """
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise MergeError(f"group_size must be an int >= 1, got {group_size!r}")
+    try:
+        require_int("group_size", group_size, 1)
+    except ValueError as err:
+        raise MergeError(str(err)) from None
     ckpt_dir = Path(src_param_split_info_json.format(0)).parent
     try:
         saved = SplitInfo.read(ckpt_dir / split_info_name(0))
@@ -431,61 +304,3 @@ def convert_checkpoints(src_checkpoint, src_param_split_info_json, group_size, f
     out = src_checkpoint.format(f"all_{group_size}")
     merge_checkpoint(ckpt_dir, out, format=format, force=True, log=None)
     return out
-
-
-def _cli(prog: str, description: str):
-    """The parser every offline tool starts from (``CKPT_DIR -o OUT [--force]``)."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog=prog, description=description)
-    ap.add_argument("ckpt_dir")
-    ap.add_argument("-o", "--out", required=True)
-    ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    return ap
-
-
-def _run(prog: str, action) -> int:
-    """Run ``action``; a :class:`MergeError` becomes one line on stderr and exit status 2."""
-    try:
-        action()
-    except MergeError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def main_merge(argv=None):
-    """``mindzero-merge CKPT_DIR -o OUT [--format ckpt|safetensors] [--with-optimizer] [--force]
-    [--parameter-values master|param]``"""
-    ap = _cli("mindzero-merge", "Merge a mindzero checkpoint into one full checkpoint (original parameter "
-              "names), streaming tensor by tensor.")
-    ap.add_argument("--format", choices=FORMATS, default="ckpt")
-    ap.add_argument("--with-optimizer", action="store_true", help="include optimizer states and scalars")
-    ap.add_argument("--parameter-values", choices=PARAMETER_VALUES, default="master",
-                    help="a param_dtype run's parameters: its fp32 masters (default) or the param_dtype copies")
-    a = ap.parse_args(argv)
-    return _run("mindzero-merge", lambda: merge_checkpoint(a.ckpt_dir, a.out, a.format, a.with_optimizer, a.force,
-                                                           parameter_values=a.parameter_values))
-
-
-def main_reshard(argv=None):
-    """``mindzero-reshard CKPT_DIR -o OUT --world-size M [--stage S] [--format F] [--force]``"""
-    ap = _cli("mindzero-reshard", "Rewrite a mindzero checkpoint for another world size and/or ZeRO stage, "
-              "optimizer state included.")
-    ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--stage", type=int, choices=(0, 1, 2, 3))
-    ap.add_argument("--format", choices=FORMATS)
-    a = ap.parse_args(argv)
-    return _run("mindzero-reshard", lambda: reshard_checkpoint(a.ckpt_dir, a.out, a.world_size, a.stage, a.format,
-                                                               a.force))
-
-
-def main_verify(argv=None):
-    """``mindzero-verify CKPT_DIR [CKPT_DIR ...]``: exit status 0 if every checkpoint is whole, 1 otherwise."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="mindzero-verify", description="Verify mindzero checkpoints: marker, split "
-                                 "infos, every tensor's checksum, cross-rank consistency.")
-    ap.add_argument("ckpt_dir", nargs="+")
-    a = ap.parse_args(argv)
-    return 0 if all([verify_checkpoint(d)["ok"] for d in a.ckpt_dir]) else 1

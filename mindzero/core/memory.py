@@ -66,35 +66,3 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
             out["gradients"] += (s.shard_size if (policy.shard_gradients and s.sharded) else s.numel) * grad_item
     out["optimizer_states"] = out["optimizer_moments"] + out["master_shards"]
     return out
-
-
-def memory_report(train_net) -> dict:
-    """Bytes this rank holds persistently, counted from the tensors actually allocated.
-
-    Returns:
-        ``{"parameters", "gradients", "optimizer_states", "optimizer_moments", "master_shards", "ema": int,
-        "expected": {same keys}, "stage": int, "op_size": int, "dp_size": int}`` (and ``group_size``,
-        ``replicas``: the same two under their deprecated names); ``optimizer_states`` is
-        ``optimizer_moments + master_shards``.
-    """
-    from .optim import optimizer_state_params
-    from .shard import tensor_nbytes
-
-    info = train_net.zero_info
-    moments = sum(tensor_nbytes(p) for p in optimizer_state_params(train_net.optimizer, info.state_attrs))
-    masters = sum(tensor_nbytes(p) for p in info.master_shards)
-    return {
-        "parameters": sum(tensor_nbytes(p) for p in train_net.network.get_parameters()),
-        "gradients": sum(tensor_nbytes(p) for p in info.accum_buffers),
-        "optimizer_moments": moments,
-        "master_shards": masters,
-        "optimizer_states": moments + masters,
-        "ema": sum(tensor_nbytes(p) for p in train_net.ema.ema_weights) if train_net.has_ema else 0,
-        "expected": expected_bytes(info.plan, info.config.policy, len(info.state_attrs),
-                                   info.config.gradient_accumulation_steps > 1, train_net.has_ema, info.precision),
-        "stage": info.config.zero_stage,
-        "op_size": info.world.op_size,  # the op group: what the shards divide by
-        "dp_size": info.world.dp_size,
-        "group_size": info.world.op_size,  # deprecated keys (a dict cannot warn): op_size, dp_size
-        "replicas": info.world.dp_size,
-    }

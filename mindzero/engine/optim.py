@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from mindspore import ParameterTuple, nn
 
-from .shard import make_shard
+from .materialize import make_shard, materialize
 
 ELEMENTWISE_OPTIMIZERS = {nn.AdamWeightDecay, nn.Adam, nn.SGD, nn.Momentum}
 
@@ -117,8 +117,6 @@ def shard_optimizer(optimizer, specs: list, shard_params: list) -> tuple:
     if len(specs) != len(old) or len(shard_params) != len(old):
         raise ValueError(f"specs ({len(specs)}) and shard_params ({len(shard_params)}) must match the optimizer's "
                          f"{len(old)} parameters")
-    from .materialize import materialize
-
     found = state_tuples(optimizer)
     for attr, states in found.items():
         new = [make_shard(s, spec, s.name, requires_grad=False) if spec.sharded else materialize(s)

@@ -17,11 +17,11 @@ world all-gather (``R`` times the bytes); :func:`emulation_extra` reports the di
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .config import FusionConfig, StagePolicy
 from .deprecation import warn_renamed
-from .layout import COLLECTIVES, EMULATED, World
+from .topology import COLLECTIVES, EMULATED, World
 from .state import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommBucket, ParamState, ZeroState
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -168,7 +168,8 @@ def plan_state(specs, config, fusion: FusionConfig = FusionConfig(), regather: b
     params = tuple(ParamState(s.name, None, s, r, s.sharded and policy.shard_optimizer_states)
                    for s, r in zip(specs, reduce_specs))
     micro, boundary, gather = step_buckets(params, policy, fusion)
-    return ZeroState(config, None, None, fusion, params, micro, boundary, gather=gather, regather=regather)
+    config = replace(config, fusion=fusion)
+    return ZeroState(config, None, None, params, micro, boundary, gather, regather=regather)
 
 
 def summarize(calls) -> dict:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .checks import is_int
 from .deprecation import renamed_property, warn_renamed
 
 # How collectives run (mindzero.comm.backends implements each):
@@ -235,7 +236,7 @@ class HybridLayout:
 
 
 def _check_sizes(world_size: int, g: int, what: str) -> None:
-    if not isinstance(g, int) or g < 1 or world_size % g:
+    if not is_int(g) or g < 1 or world_size % g:
         raise LayoutError(f"{what}={g!r}: must be a positive divisor of the world size {world_size}")
 
 

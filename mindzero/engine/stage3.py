@@ -9,7 +9,7 @@ subclass of the Cell's class (one per class and set of sharded attributes;
 ``self._zero_gather_w.rebuild(self.w_zero_shard)``: the Cell's own
 ``construct`` reads ``self.w`` unchanged and MindSpore's graph mode parses the
 property. :class:`GatherFull` all-gathers with a primitive whose gradient is
-mindzero's reduce-scatter (:class:`mindzero.comm.ShardGather`), so the
+mindzero's reduce-scatter (:class:`mindzero.comm.shard_gather.ShardGather`), so the
 gradient w.r.t. a shard arrives already summed over the world.
 
 A Parameter shared by several Cells (tied weights) gets one shard, read through
@@ -20,40 +20,25 @@ all-gather, so it must be done on all ranks.
 """
 from __future__ import annotations
 
-import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import nn, ops
 
-from .comm import ReduceScatterSum, World, shard_gather
-from .plan import ShardSpec, shard_of_flat
+from ..comm.cells import ReduceScatterSum, shard_gather
+from ..core.plan import ShardSpec
+from ..core.topology import World
+from .materialize import make_shard
 
 SHARD_SUFFIX = "_zero_shard"
 GATHER_PREFIX = "_zero_gather_"
 
 
-def shard_array(full: np.ndarray, spec: ShardSpec) -> np.ndarray:
-    """This rank's padded shard (1D) of ``full``, per ``spec``."""
-    flat = np.ascontiguousarray(full).reshape(-1)
-    if flat.size != spec.numel:
-        raise ValueError(f"tensor for {spec.name!r} has {flat.size} elements, the plan says {spec.numel}")
-    return shard_of_flat(flat, spec)
-
-
-def make_shard(param, spec: ShardSpec, name: str, requires_grad: bool = True, digests=None) -> Parameter:
-    """A new 1D Parameter named ``name`` holding this rank's padded shard of ``param`` (which may be lazy:
-    see :func:`mindzero.materialize.shard_of`, which also fills ``digests``)."""
-    from .materialize import shard_of
-
-    return Parameter(Tensor(shard_of(param, spec, digests), param.dtype), name=name, requires_grad=requires_grad)
-
-
 class GatherFull(nn.Cell):
-    """The full parameter from its shard: :class:`mindzero.comm.ShardGather` (all-gather forward,
+    """The full parameter from its shard: :class:`mindzero.comm.shard_gather.ShardGather` (all-gather forward,
     reduce-scatter backward), then (hybrid on CPU) this op group's rows, the padding dropped, the full
     shape, the reading Cell's compute dtype.
 
     In graph mode the stage-3 property calls :meth:`rebuild` (a method: inlined like a function), never
-    the Cell itself (see :class:`~mindzero.comm.ShardGather` for why). PyNative, which does not use the
+    the Cell itself (see :mod:`mindzero.comm.shard_gather` for why). PyNative, which does not use the
     primitive's registered gradient, calls the Cell: its ``bprop`` is the same reduce-scatter. One
     instance serves every parameter of the same full shape and reading dtype.
 
@@ -230,7 +215,3 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regath
         if attrs:
             cell.__class__ = _sharded_subclass(type(cell), attrs)
     return shards
-
-
-def tensor_nbytes(t) -> int:
-    return int(t.nbytes)

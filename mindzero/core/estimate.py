@@ -32,7 +32,8 @@ import sys
 
 from .config import MixedPrecision, stage_policy
 from .memory import KINDS, expected_bytes
-from .plan import ParamInfo, PartitionPlan
+from .checks import is_int, require_int
+from .plan import ParamInfo, PartitionPlan, param_infos
 
 # per-parameter state tensors of each optimizer (as mindzero's memory report counts them)
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "sgd": 2, "momentum": 1}
@@ -57,35 +58,6 @@ def paper_formula(phi: int, stage: int, group_size: int, mixed_precision: bool =
             "optimizer_states": part(moments + master, policy.shard_optimizer_states)}
 
 
-def kept_fp32(network) -> set:
-    """Ids of the Parameters whose owning Cell computes in fp32 (``to_float(ms.float32)``, what
-    ``auto_mixed_precision`` does to BatchNorm and LayerNorm): a mixed-precision run keeps them in fp32."""
-    out = set()
-    for _, cell in network.cells_and_names():
-        if cell.get_flags().get("fp32"):
-            out.update(id(p) for p in cell._params.values() if p is not None)
-    return out
-
-
-def param_infos(network, precision: MixedPrecision, optimizer=None) -> list:
-    """The :class:`ParamInfo` of ``network``'s parameters (``get_parameters()`` order) as the plan sees them,
-    dtypes as held under ``precision``.
-
-    The one definition of an *optimized* parameter, shared by ``prepare_train_network`` and the estimate:
-    one ``optimizer`` updates; without an optimizer (the estimate from a Cell), one with ``requires_grad``,
-    which is what ``network.trainable_params()`` hands an optimizer.
-    """
-    if optimizer is not None:
-        ids = {id(p) for p in optimizer.parameters}
-        optimized = lambda p: id(p) in ids  # noqa: E731
-    else:
-        optimized = lambda p: bool(p.requires_grad)  # noqa: E731
-    keep = kept_fp32(network) if precision.enabled else set()
-    return [ParamInfo(p.name, tuple(p.shape), precision.held(str(p.dtype).lower(), optimized(p), id(p) in keep),
-                      optimized(p), bool(getattr(p, "parallel_optimizer", True)))
-            for p in network.get_parameters()]
-
-
 def _param_infos(network_or_param_shapes, precision: MixedPrecision):
     if hasattr(network_or_param_shapes, "get_parameters"):  # a MindSpore Cell
         return param_infos(network_or_param_shapes, precision)
@@ -95,8 +67,8 @@ def _param_infos(network_or_param_shapes, precision: MixedPrecision):
         items = [(f"param_{i}", s) for i, s in enumerate(network_or_param_shapes)]
     out = []
     for name, shape in items:
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        if any(not isinstance(d, int) or d < 0 for d in shape):
+        shape = (shape,) if is_int(shape) else tuple(shape)
+        if any(not is_int(d) or d < 0 for d in shape):
             raise ValueError(f"network_or_param_shapes: {name!r} has shape {shape!r}; dimensions must be ints >= 0")
         out.append(ParamInfo(name, shape, precision.held("float32", True)))
     return out
@@ -124,8 +96,7 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, o
         ValueError: a bad stage, group size, optimizer or shape (the message names it).
     """
     policy = stage_policy(zero_stage)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size (ranks the state is sharded over) must be an int >= 1, got {group_size!r}")
+    require_int("group_size (ranks the state is sharded over)", group_size, 1)
     key = str(optimizer).lower()
     if key not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZER_STATES)}")

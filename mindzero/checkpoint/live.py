@@ -1,4 +1,5 @@
-"""Per-rank checkpoints of a live train step: save, resume, and full parameters on demand.
+"""Per-rank checkpoints of a live train step: what a rank's checkpoint holds (:func:`live_tensors`), resume
+(:func:`load_checkpoint`), full parameters on demand; saving is :mod:`mindzero.checkpoint.save`.
 
 A checkpoint is a directory written by all ranks together:
 
@@ -10,7 +11,7 @@ A checkpoint is a directory written by all ranks together:
   every full tensor without model code;
 * ``COMPLETE``: written last: every file's size, the JSON files' CRC-32, its own checksum.
 
-Integrity: each rank writes its pieces itself (:mod:`mindzero.ckpt_io`, one tensor at a time) and
+Integrity: each rank writes its pieces itself (:mod:`mindzero.checkpoint.tensor_io`, one tensor at a time) and
 records each piece's CRC-32 in its split info; every reader (:func:`load_checkpoint`, merge, reshard,
 ``mindzero-verify``) checks them.
 
@@ -25,24 +26,19 @@ buffers are empty at an update step, the only time a save is allowed.
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import shutil
-import sys
-import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 from mindspore import Tensor
 
-from .ckpt_io import MS_TO_NAME, crc32_array, open_writer
-from .comm import AllReduceSum, shared_cell
-from .shard import GatherFull, shard_array
-from .split_info import (COMPLETE, FORMATS, SplitInfo, entry_at, fsync_dir, split_info_name, write_atomic,
-                         write_marker)
+from ..comm.cells import AllReduceSum, shared_cell
+from ..core.plan import shard_array
+from ..engine.stage3 import GatherFull
+from .format import (COMPLETE, FORMATS, SplitInfo, entry_at)
+from .tensor_io import MS_TO_NAME
 
 
 class CheckpointError(ValueError):
@@ -105,250 +101,6 @@ def trainer_state_name(rank: int) -> str:
     return f"trainer_state_{rank}.json"
 
 
-def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="ckpt", trainer_state=None,
-                    async_save=False):
-    """Save this train step's full training state into ``ckpt_dir``. Collective: all ranks call it.
-
-    Every tensor is written with its CRC-32 (recorded in the split info); the ``COMPLETE`` marker, written
-    last when every rank's files are durable, records every file's size and checksum.
-
-    Args:
-        train_net: from :func:`mindzero.prepare_train_network`.
-        ckpt_dir: the checkpoint directory; it must not exist (a previous checkpoint is never overwritten).
-        step: recorded in the split info (default: the optimizer's ``global_step``).
-        weights_only: save network parameters only (no optimizer states or scalars).
-        format: ``"ckpt"`` or ``"safetensors"``.
-        trainer_state: ``None`` or a JSON-serialisable dict (e.g. epoch, data position, this rank's loss
-            history), written by every rank as ``trainer_state_<rank>.json`` (world rank) inside the
-            checkpoint; :func:`read_trainer_state`.
-        async_save: copy what this rank saves to host memory, return, and write in a background thread
-            (no collective there). Returns an :class:`AsyncSave`; the next save, :func:`wait_for_save`
-            and process exit wait for it. Extra host memory: one copy of this rank's saved tensors
-            (``AsyncSave.host_bytes``).
-
-    Returns:
-        the checkpoint's path (``async_save=True``: an :class:`AsyncSave` handle whose ``wait()`` returns it).
-
-    Raises:
-        CheckpointError: bad ``format``, ``ckpt_dir`` exists, called between micro-batches of an update, or
-            a rank failed to write (e.g. a full disk): every rank raises, nothing complete is left.
-    """
-    if format not in FORMATS:
-        raise CheckpointError(f"format must be one of {FORMATS}, got {format!r}")
-    state_bytes = None
-    if trainer_state is not None:
-        try:
-            state_bytes = json.dumps(trainer_state, indent=1, allow_nan=True).encode()
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"trainer_state must be a JSON-serialisable dict: {err}") from None
-    info = train_net.zero_info
-    final = Path(ckpt_dir)
-    if final.exists():
-        raise CheckpointError(f"ckpt_dir {str(final)!r} already exists; choose a new directory per checkpoint")
-    if info.accum_buffers and int(train_net.micro_step.asnumpy()) % info.config.gradient_accumulation_steps:
-        raise CheckpointError("save_checkpoint must be called after an update step: "
-                              f"{int(train_net.micro_step.asnumpy())} micro-batches taken, "
-                              f"gradient_accumulation_steps={info.config.gradient_accumulation_steps}")
-    wait_for_save()  # an earlier asynchronous save completes first
-    barrier = _Barrier(info.world)
-    partial = final.with_name(final.name + ".partial")
-    run_id = "-".join(f"{int(v):06x}" for v in barrier(np.random.randint(0, 1 << 24, size=3)))
-    if info.world.world_rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save
-        partial.mkdir(parents=True)
-    barrier()
-    entries = [(e, p) for e, p in live_tensors(train_net, format) if not weights_only or e.kind == "parameter"]
-    if step is None:
-        step = int(train_net.optimizer.global_step.asnumpy().reshape(-1)[0])
-    world = info.world
-    split = SplitInfo(run_id, info.config.zero_stage, world.op_size, world.op_rank, int(step), format,
-                      info.plan.fingerprint(), tuple(e for e, _ in entries), dp_size=world.dp_size,
-                      dp_rank=world.dp_rank)
-    marker = {"run_id": run_id, "step": int(step), "group_size": world.op_size, "replicas": world.dp_size,
-              "weights_only": bool(weights_only)}
-    job = _SaveJob(partial, final, split if world.writes_shards else None, state_bytes, world.world_rank,
-                   world.world_size, marker)
-    if async_save:
-        job.tensors = [(e, np.array(_host(p), copy=True)) for e, p in job.own(entries)]
-        handle = AsyncSave(job)
-        _PENDING.append(handle)
-        return handle
-    job.tensors = [(e, p) for e, p in job.own(entries)]
-    error = None
-    try:
-        job.write()
-    except Exception as err:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
-        error = err
-    failed = barrier.count(error is not None)
-    if failed:
-        if world.world_rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        barrier()
-        where = f"this rank ({world.world_rank}): {error}" if error is not None else "another rank"
-        raise CheckpointError(f"save to {str(final)!r} failed on {failed} rank(s), including {where}; nothing "
-                              "was completed and earlier checkpoints are untouched") from error
-    if world.world_rank == 0:
-        job.complete()
-    barrier()
-    return final
-
-
-def _host(p) -> np.ndarray:
-    """A Parameter's values as a host array (bfloat16 as numpy's bfloat16; written by its bytes)."""
-    return p.asnumpy()
-
-
-class _SaveJob:
-    """What one rank writes for one checkpoint: its files (each tensor with its CRC-32), its split info, its
-    trainer state; rank 0 also the marker. Runs in the caller (synchronous save) or in a thread (no
-    MindSpore call there: ``tensors`` are host copies)."""
-
-    def __init__(self, partial, final, split, state_bytes, world_rank, world_size, marker):
-        self.partial, self.final, self.split, self.state_bytes = Path(partial), Path(final), split, state_bytes
-        self.world_rank, self.world_size, self.marker = world_rank, world_size, marker
-        self.tensors = []
-
-    def own(self, entries):
-        """The entries whose pieces this rank writes: its own file, and rank 0 also the shared files (every
-        piece once). With hybrid sharding only replica 0 writes (the others hold the same shards)."""
-        if self.split is None:
-            return []
-        rank = self.split.op_rank
-        return [(e, p) for e, p in entries if e.file == f"rank_{rank}.{self.split.format}" or rank == 0]
-
-    def write(self) -> None:
-        if self.split is not None:
-            crcs = {}
-            by_file = {}
-            for e, value in self.tensors:
-                by_file.setdefault(e.file, []).append((e, value))
-            for file, items in by_file.items():
-                layout = [(e.key, e.dtype, tuple(value.shape)) for e, value in items]
-                with open_writer(self.partial / file, self.split.format, layout) as writer:
-                    for e, value in items:
-                        array = value if isinstance(value, np.ndarray) else _host(value)
-                        crcs[e.name] = crc32_array(array)
-                        writer.write(e.key, array, e.dtype)
-            # every entry of this rank; a shared piece another rank wrote has its checksum in that rank's entry
-            self.split = replace(self.split, tensors=tuple(replace(e, crc32=crcs.get(e.name))
-                                                           for e in self.split.tensors))
-            self.split.write(self.partial / split_info_name(self.split.op_rank))
-        if self.state_bytes is not None:
-            write_atomic(self.partial / trainer_state_name(self.world_rank), self.state_bytes)
-
-    def complete(self) -> None:
-        """Rank 0, once every rank's files are durable: the marker, then the rename into place."""
-        write_marker(self.partial, **self.marker)
-        os.replace(self.partial, self.final)
-        fsync_dir(self.final.parent)
-
-    def run_async(self, timeout: float) -> None:
-        """The background part: write, leave a flag (``.written_<rank>`` or ``.failed_<rank>``); rank 0 then
-        waits for every rank's flag and completes the checkpoint, or removes it if a rank failed. Ranks
-        agree through the (shared) checkpoint directory, not through collectives."""
-        try:
-            self.write()
-        except Exception as err:
-            write_atomic(self.partial / f".failed_{self.world_rank}", f"{type(err).__name__}: {err}".encode())
-            raise
-        write_atomic(self.partial / f".written_{self.world_rank}", b"ok")
-        deadline = time.time() + timeout
-        if self.world_rank != 0:  # done when rank 0 has renamed the directory into place (or removed it)
-            while not (self.final / COMPLETE).is_file():
-                if not self.partial.exists() and not (self.final / COMPLETE).is_file():
-                    time.sleep(0.05)
-                    if not (self.final / COMPLETE).is_file():
-                        raise CheckpointError(f"{self.final}: another rank failed to write its part; the save "
-                                              "was removed")
-                if time.time() > deadline:
-                    raise CheckpointError(f"{self.final}: rank 0 did not complete the checkpoint within "
-                                          f"{timeout:.0f}s")
-                time.sleep(0.05)
-            return
-        while True:
-            failed = sorted(self.partial.glob(".failed_*"))
-            if failed:
-                reasons = "; ".join(f"rank {p.name.split('_')[1]}: {p.read_text()}" for p in failed)
-                shutil.rmtree(self.partial, ignore_errors=True)
-                raise CheckpointError(f"asynchronous save to {str(self.final)!r} failed ({reasons}); nothing was "
-                                      "completed and earlier checkpoints are untouched")
-            done = {p.name for p in self.partial.glob(".written_*")}
-            if len(done) == self.world_size:
-                break
-            if time.time() > deadline:
-                missing = sorted(set(range(self.world_size)) - {int(n.split("_")[1]) for n in done})
-                shutil.rmtree(self.partial, ignore_errors=True)
-                raise CheckpointError(f"asynchronous save to {str(self.final)!r}: ranks {missing} did not finish "
-                                      f"writing within {timeout:.0f}s (killed?); the save was removed")
-            time.sleep(0.05)
-        for name in done:
-            (self.partial / name).unlink()
-        self.complete()
-
-
-ASYNC_TIMEOUT = 1800.0  # seconds an asynchronous save waits for the other ranks' files
-
-
-class AsyncSave:
-    """A save running in the background (:func:`save_checkpoint` with ``async_save=True``).
-
-    ``wait()`` blocks until the checkpoint is complete (on every rank: until rank 0 has written the
-    marker and renamed it into place) and returns its path, or raises :class:`CheckpointError`.
-    ``host_bytes``: the host memory held by the copies until the write ends.
-    """
-
-    def __init__(self, job: _SaveJob, timeout: float = ASYNC_TIMEOUT):
-        self.path = job.final
-        self.host_bytes = sum(int(v.nbytes) for _, v in job.tensors)
-        self.error = None
-        self._job = job
-        self._thread = threading.Thread(target=self._run, args=(timeout,), name="mindzero-async-save", daemon=True)
-        self._thread.start()
-
-    def _run(self, timeout):
-        try:
-            self._job.run_async(timeout)
-        except BaseException as err:  # noqa: BLE001 - reported by wait()
-            self.error = err
-        finally:
-            self._job.tensors = []  # free the host copies
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self, timeout=None):
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise CheckpointError(f"{self.path}: asynchronous save still running after {timeout}s")
-        if self in _PENDING:
-            _PENDING.remove(self)
-        if self.error is not None:
-            if isinstance(self.error, CheckpointError):
-                raise self.error
-            raise CheckpointError(f"asynchronous save to {str(self.path)!r} failed on this rank: {self.error}; nothing "
-                                  "was completed and earlier checkpoints are untouched") from self.error
-        return self.path
-
-
-_PENDING = []
-
-
-def wait_for_save():
-    """Wait for this process's pending asynchronous saves (oldest first); raises the first failure."""
-    while _PENDING:
-        _PENDING[0].wait()
-
-
-def _wait_at_exit():
-    try:
-        wait_for_save()
-    except CheckpointError as err:
-        print(f"mindzero: {err}", file=sys.stderr, flush=True)
-
-
-atexit.register(_wait_at_exit)
-
-
 def read_trainer_state(ckpt_dir, rank: int = 0) -> dict:
     """The ``trainer_state`` world rank ``rank`` saved with a checkpoint (``{}`` if none was)."""
     path = Path(ckpt_dir) / trainer_state_name(rank)
@@ -392,7 +144,7 @@ def load_checkpoint(train_net, ckpt_dir):
     are taken from the saved parameters.
 
     Returns:
-        rank 0's :class:`mindzero.split_info.SplitInfo` of the checkpoint (``.step``, ``.stage``, ...).
+        rank 0's :class:`mindzero.checkpoint.format.SplitInfo` of the checkpoint (``.step``, ``.stage``, ...).
 
     Raises:
         CheckpointError: an incomplete, corrupted or foreign checkpoint, or parameter names or shapes
@@ -430,7 +182,7 @@ def load_checkpoint(train_net, ckpt_dir):
 
 def _read_for_load(train_net, ckpt_dir) -> list:
     """``([(entry, Parameter, value)], rank 0's split info)``: everything this rank loads, read and verified."""
-    from .merge import Source
+    from .source import Source
 
     info = train_net.zero_info
     src = Source(ckpt_dir, check_pieces=False, error=CheckpointError)

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from .checks import is_int, require_int
 from .deprecation import renamed_property, warn_renamed
 
 # bytes per element of the dtypes a MindSpore network holds
@@ -55,7 +56,7 @@ def valid_elements(numel: int, sharded: bool, offset: int, shard_size: int) -> i
 
 
 def shard_of_flat(flat, piece):
-    """numpy twin of :func:`mindzero.comm.own_shard`: ``flat`` (a full tensor, 1D numpy array) zero-padded,
+    """numpy twin of :func:`mindzero.engine.kernels.own_shard`: ``flat`` (a full tensor, 1D numpy array) zero-padded,
     then ``piece``'s slice (a :class:`ShardSpec` or a split-info entry: ``sharded``, ``shard_size``,
     ``offset``, ``valid``); a copy of ``flat`` when not sharded."""
     if not piece.sharded:
@@ -65,6 +66,20 @@ def shard_of_flat(flat, piece):
     out = np.zeros(piece.shard_size, dtype=flat.dtype)
     out[:piece.valid] = flat[piece.offset:piece.offset + piece.valid]
     return out
+
+
+def shard_array(full, spec: "ShardSpec"):
+    """This rank's padded shard (1D numpy array) of the full tensor ``full`` (any shape), per ``spec``.
+
+    Raises:
+        ValueError: ``full`` does not have the plan's element count.
+    """
+    import numpy as np
+
+    flat = np.ascontiguousarray(full).reshape(-1)
+    if flat.size != spec.numel:
+        raise ValueError(f"tensor for {spec.name!r} has {flat.size} elements, the plan says {spec.numel}")
+    return shard_of_flat(flat, spec)
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -108,7 +123,7 @@ class ShardSpec:
         if not 0 <= self.op_rank < self.op_size:
             raise ValueError(f"op_rank must be in [0, op_size={self.op_size}), got {self.op_rank} "
                              f"for parameter {self.name!r}")
-        if any((not isinstance(d, int)) or d < 0 for d in self.shape):
+        if any(not is_int(d) or d < 0 for d in self.shape):
             raise ValueError(f"shape of parameter {self.name!r} must be non-negative ints, got {self.shape}")
         dtype_bytes(self.dtype)
         if not self.sharded and not self.reason:
@@ -202,9 +217,8 @@ class PartitionPlan:
         if rank is not None:
             warn_renamed("PartitionPlan.build(rank=)", "PartitionPlan.build(op_rank=)")
             op_rank = rank if op_rank is None else op_rank
-        if isinstance(op_size, bool) or not isinstance(op_size, int) or op_size < 1:
-            raise ValueError(f"op_size must be an int >= 1, got {op_size!r}")
-        if isinstance(op_rank, bool) or not isinstance(op_rank, int) or not 0 <= op_rank < op_size:
+        require_int("op_size", op_size, 1)
+        if not is_int(op_rank) or not 0 <= op_rank < op_size:
             raise ValueError(f"op_rank must be an int in [0, op_size={op_size}), got {op_rank!r}")
         specs, seen = [], set()
         for p in params:
@@ -258,3 +272,32 @@ class PartitionPlan:
         for s in self.replicated:
             lines.append(f"  replicated {s.name} {s.shape}: {s.reason}")
         return "\n".join(lines)
+
+
+def kept_fp32(network) -> set:
+    """Ids of the Parameters whose owning Cell computes in fp32 (``to_float(ms.float32)``, what
+    ``auto_mixed_precision`` does to BatchNorm and LayerNorm): a mixed-precision run keeps them in fp32."""
+    out = set()
+    for _, cell in network.cells_and_names():
+        if cell.get_flags().get("fp32"):
+            out.update(id(p) for p in cell._params.values() if p is not None)
+    return out
+
+
+def param_infos(network, precision, optimizer=None) -> list:
+    """The :class:`ParamInfo` of ``network``'s parameters (``get_parameters()`` order) as the plan sees them,
+    dtypes as held under ``precision`` (a :class:`mindzero.core.config.MixedPrecision`).
+
+    The one definition of an *optimized* parameter, shared by ``prepare_train_network`` and the estimate:
+    one ``optimizer`` updates; without an optimizer (the estimate from a Cell), one with ``requires_grad``,
+    which is what ``network.trainable_params()`` hands an optimizer. Pure: it reads the Cell's Python API.
+    """
+    if optimizer is not None:
+        ids = {id(p) for p in optimizer.parameters}
+        optimized = lambda p: id(p) in ids  # noqa: E731
+    else:
+        optimized = lambda p: bool(p.requires_grad)  # noqa: E731
+    keep = kept_fp32(network) if precision.enabled else set()
+    return [ParamInfo(p.name, tuple(p.shape), precision.held(str(p.dtype).lower(), optimized(p), id(p) in keep),
+                      optimized(p), bool(getattr(p, "parallel_optimizer", True)))
+            for p in network.get_parameters()]

@@ -1,10 +1,10 @@
 """The state of one ZeRO train step: one record per optimized parameter, one per communication bucket.
 
-[Note: mindzero tensors] (the vocabulary of the core; :mod:`mindzero.plan` defines shard and padding)
+[Note: mindzero tensors] (the vocabulary of the core; :mod:`mindzero.core.plan` defines shard and padding)
 
 * **full parameter** (``ParamState.param``): the network's Parameter as the user built it. Stages 0-2
   keep it whole on every rank; at stage 3 the network holds a shard under the same name, the state drops
-  the full one, and the full value exists only while a Cell reads it (:mod:`mindzero.shard`).
+  the full one, and the full value exists only while a Cell reads it (:mod:`mindzero.engine.stage3`).
 * **weight** (``ParamState.weight``): what gradients are taken with respect to: the full parameter
   (stages 0-2) or its stage-3 shard.
 * **target** (``ParamState.target``): what the optimizer updates: the weight, a stage 1-2 *master
@@ -13,13 +13,13 @@
 * **sharded** (``ParamState.sharded``): the stage shards this parameter's optimizer state (stage >= 1
   and the plan shards the parameter); from stage 2 its gradient, at stage 3 its value. A parameter the
   plan replicates (``ShardSpec.reason``) is never sharded.
-* **op group** / **world** (:class:`mindzero.comm.World`): the ranks a tensor is sharded over (``G``),
+* **op group** / **world** (:class:`mindzero.core.topology.World`): the ranks a tensor is sharded over (``G``),
   and all ranks (``N``); reductions sum over the world.
 * **bucket** (:class:`CommBucket`): tensors that travel in one collective (``comm_fusion``), or one
   tensor without fusion.
 
 Pure Python (no MindSpore import): the records hold MindSpore objects but do not build them;
-:func:`mindzero.prepare.prepare_train_network` fills them and the train Cell reads them.
+:mod:`mindzero.engine.assemble` fills them and the train Cell reads them.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class ParamState:
     name: str  # the parameter's name (at stage 3 also the name of the shard the network holds)
     param: object  # the network's full Parameter; None once stage 3 has replaced it by its shard (so that
     #                nothing keeps the full value alive)
-    spec: object  # its mindzero.plan.ShardSpec, dtype as held
+    spec: object  # its mindzero.core.plan.ShardSpec, dtype as held
     reduce_spec: object  # the same with the dtype its gradient is reduced in (reduce_dtype)
     sharded: bool  # optimizer state sharded (stage >= 1 and the plan shards it)
     weight: object = None  # what gradients are taken w.r.t.: the parameter or its stage-3 shard
@@ -79,24 +79,40 @@ class CommBucket:
 @dataclass(eq=False)
 class ZeroState:
     """What :func:`mindzero.prepare_train_network` built for a train step: ``train_net.zero_info``, read by
-    the train Cell, memory reports, checkpoints and tools."""
+    the train Cell, memory reports, checkpoints and tools. Made once, complete (:mod:`mindzero.engine.assemble`)."""
 
-    config: object  # mindzero.config.ZeroConfig
-    world: object  # mindzero.comm.World
-    plan: object  # mindzero.plan.PartitionPlan (every network parameter)
-    fusion: object  # mindzero.config.FusionConfig
+    config: object  # mindzero.core.config.ZeroConfig
+    world: object  # mindzero.core.topology.World
+    plan: object  # mindzero.core.plan.PartitionPlan (every network parameter)
     params: tuple = ()  # ParamState per optimized parameter, optimizer order
     micro: tuple = ()  # CommBucket: reductions of every micro-step (stage 2)
     boundary: tuple = ()  # CommBucket: reductions at the accumulation boundary
-    state_attrs: tuple = ()  # the optimizer's per-parameter state tuples (attribute names)
-    calls: tuple = ()  # comm_plan.Call per collective of one optimizer step, as this backend runs them
-    real_calls: tuple = ()  # the same with real reduce-scatter and sub-group collectives
-    scale_sense: object = None  # the loss-scale Parameter
-    loss_scale_manager: object = None  # nn.DynamicLossScaleUpdateCell or None
-    ema: object = None  # mindzero.train_step.ZeroEMA or None
     gather: tuple = ()  # CommBucket: stage 1-2 all-gathers of the updated master shards (positions into
     #                     the shard-of-full master pairs, see master_pairs)
+    state_attrs: tuple = ()  # the optimizer's per-parameter state tuples (attribute names)
+    scale_sense: object = None  # the loss-scale Parameter
+    loss_scale_manager: object = None  # nn.DynamicLossScaleUpdateCell or None
+    ema: object = None  # mindzero.engine.train_step.ZeroEMA or None
     regather: bool = True  # stage 3, graph mode: gather again in backward (stage3_regather)
+
+    @property
+    def fusion(self):
+        return self.config.fusion
+
+    @property
+    def calls(self) -> tuple:
+        """:class:`~mindzero.core.comm_plan.Call` per collective of one optimizer step, as this world runs them."""
+        from .comm_plan import step_calls
+
+        return tuple(step_calls(self, self.world))
+
+    @property
+    def real_calls(self) -> tuple:
+        """The same with real reduce-scatter and sub-group collectives (what GPU/Ascend run)."""
+        from .comm_plan import step_calls
+        from .topology import COLLECTIVES
+
+        return tuple(step_calls(self, self.world.with_backend(COLLECTIVES))) if self.world.emulated else self.calls
 
     @property
     def precision(self):

@@ -246,9 +246,15 @@ class SafetensorsReader:
         return np.frombuffer(raw, dtype=np_dtype(dtype)).reshape(shape).copy()
 
 
+def crc32_bytes(data) -> int:
+    """CRC-32 of a bytes-like object (zlib's, as in zip and PNG): the one checksum of mindzero's checkpoints
+    (pieces, JSON files, the marker) and of the cross-rank initial-value check."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
 def crc32_array(array: np.ndarray) -> int:
     """CRC-32 of an array's raw bytes in C order (what a writer stores for it)."""
-    return zlib.crc32(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))) & 0xFFFFFFFF
+    return crc32_bytes(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
 
 
 def open_reader(path):

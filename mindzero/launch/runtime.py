@@ -49,12 +49,13 @@ def start_data_parallel(device: str = None, mode=None):
     the network.
 
     Returns:
-        the :class:`mindzero.comm.World` of the whole world.
+        the :class:`mindzero.core.topology.World` of the whole world (use its ``world_rank`` /
+        ``world_size`` for data sharding: every rank its own data, also under hybrid sharding).
     """
     import mindspore as ms
     from mindspore.communication import init
 
-    from .comm import current_world
+    from ..comm.groups import current_world
 
     ms.set_context(mode=ms.GRAPH_MODE if mode is None else mode)
     ms.set_device(device or os.environ.get("MINDZERO_DEVICE", "CPU"))

@@ -1,0 +1,141 @@
+"""The collective Cells the rest of mindzero uses, each built from its world's backend
+(:func:`mindzero.comm.backends.backend_of`: decided once per world, never here).
+
+Every Cell here must be called by **every rank in the same order** (they are collectives).
+"""
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import nn, ops
+
+from ..core.topology import World
+from ..engine.kernels import MAP, flat_concat, flatten, reshape_as
+from .backends import backend_of
+
+
+class AllGather(nn.Cell):
+    """Concatenate 1D tensors along dim 0 over the op group (``scope="op"``) or the whole world:
+    ``(s,) -> (size * s,)`` in group order."""
+
+    def __init__(self, world: World, scope: str = "op"):
+        super().__init__(auto_prefix=False)
+        self.op = backend_of(world).gather(scope)
+
+    def construct(self, x):
+        return self.op(x)
+
+
+class AllReduceSum(nn.Cell):
+    """Element-wise sum over the whole world (``scope="world"``) or over the op group."""
+
+    def __init__(self, world: World, scope: str = "world"):
+        super().__init__(auto_prefix=False)
+        self.op = backend_of(world).sum(scope)
+
+    def construct(self, x):
+        return self.op(x)
+
+
+class ReduceScatterSum(nn.Cell):
+    """Sum a flat tensor over the whole world and keep this rank's padded shard of the op group:
+    ``(x (numel,), padding) -> (shard_size,)``, ``shard_size = (numel + padding) / op_size``. ``padding`` is
+    a constant, so one instance serves every tensor (graph mode specializes it per shape and padding)."""
+
+    def __init__(self, world: World):
+        super().__init__(auto_prefix=False)
+        self.op = backend_of(world).reduce_scatter()
+
+    def construct(self, x, padding):
+        return self.op(x, padding)
+
+
+class AnyRank(nn.Cell):
+    """``True`` on every rank when ``flag`` is ``True`` on any rank of the world (a SUM of 0/1, as CPU
+    has no MAX)."""
+
+    def __init__(self, world: World):
+        super().__init__(auto_prefix=False)
+        self.sum = AllReduceSum(world, "world")
+
+    def construct(self, flag):
+        count = self.sum(ops.cast(flag, ms.float32).reshape((1,)))
+        return count[0] > 0
+
+
+class Bucket:
+    """The constants of one ``comm_fusion`` bucket (or of one tensor without fusion), as graph-mode
+    arguments: per member its full element count, padding, shard size, and offset in the concatenation."""
+
+    @staticmethod
+    def of(specs) -> tuple:
+        numels = tuple(int(s.numel) for s in specs)
+        paddings = tuple(int(s.padding) for s in specs)
+        shard_sizes = tuple(int(s.shard_size) for s in specs)
+        offsets = tuple(sum(numels[:i]) for i in range(len(numels)))
+        return numels, paddings, shard_sizes, offsets
+
+
+class FusedReduceScatterSum(nn.Cell):
+    """:class:`ReduceScatterSum` of several tensors in one collective (a ``comm_fusion`` bucket):
+    ``(tensors, bucket) -> (shard_0, ..., shard_k)``, each this rank's padded 1/G of the sum over the world
+    of ``tensors[i]`` flattened. One tensor: exactly :class:`ReduceScatterSum`. One instance serves every
+    bucket."""
+
+    def __init__(self, world: World):
+        super().__init__(auto_prefix=False)
+        self.op = backend_of(world).fused_reduce_scatter()
+
+    def construct(self, tensors, bucket):
+        return self.op(tensors, bucket)
+
+
+class FusedAllReduceSum(nn.Cell):
+    """Sum over the world of several full tensors in one all-reduce (a ``comm_fusion`` bucket):
+    ``(tensors, bucket) -> tensors`` of the same shapes. One instance serves every bucket."""
+
+    def __init__(self, world: World):
+        super().__init__(auto_prefix=False)
+        self.sum = AllReduceSum(world, "world")
+
+    def construct(self, tensors, bucket):
+        if len(tensors) == 1:
+            return (self.sum(tensors[0]),)
+        parts = ops.split(self.sum(flat_concat(tensors)), bucket[0])
+        return MAP(reshape_as, parts, tensors)
+
+
+class FusedAllGather(nn.Cell):
+    """:class:`AllGather` (op group) of several shards in one collective (a ``comm_fusion`` bucket):
+    ``(shards, bucket) -> (padded_0, ..., padded_k)``, ``padded_i`` the ``(G * shard_size_i,)``
+    concatenation of every op-group rank's ``shard_i``. One tensor: exactly :class:`AllGather`.
+    One instance serves every bucket."""
+
+    def __init__(self, world: World):
+        super().__init__(auto_prefix=False)
+        self.gather = AllGather(world)
+        self.op_size = world.op_size
+
+    def construct(self, shards, bucket):
+        if len(shards) == 1:
+            return (self.gather(shards[0]),)
+        rows = self.gather(flat_concat(shards)).reshape((self.op_size, -1))
+        return MAP(flatten, ops.split(rows, bucket[2], 1))
+
+
+def shard_gather(world: World, numel: int, padding: int, reduce_dtype=None):
+    """The stage-3 gather primitive of a parameter of ``numel`` elements padded by ``padding``, and the rows
+    (world ranks) of this rank's op group its reader keeps (``None``: all); ``(None, None)`` in a world of
+    one rank. See :meth:`mindzero.comm.backends.Backend.shard_gather`."""
+    return backend_of(world).shard_gather(numel, padding, reduce_dtype)
+
+
+_SHARED = {}
+
+
+def shared_cell(cls, world: World, scope: str = "world"):
+    """One ``cls(world, scope)`` per process, world and scope, reused by host-side helpers (barriers,
+    plan checks) so each compiles once."""
+    key = (cls, world, scope)
+    if key not in _SHARED:
+        _SHARED[key] = cls(world, scope)
+    return _SHARED[key]

@@ -1,0 +1,409 @@
+"""The options of a ZeRO train step: one frozen tree of policies that validate themselves (pure Python).
+
+:class:`ZeroConfig` is the one home of every option of :func:`mindzero.prepare_train_network`: the stage
+(:class:`StagePolicy`: what it shards; everything asks the policy, never ``if stage in (1, 2)``), the loss
+scale (:class:`LossScale`), the EMA (:class:`EmaPolicy`), mixed precision (:class:`MixedPrecision`),
+communication fusion (:class:`FusionConfig`), the groups (:class:`GroupPolicy`) and the flags. Each policy
+parses its own arguments and raises ``ValueError`` naming the argument, the value and the rule. The
+keyword arguments (:meth:`ZeroConfig.from_arguments`) and the settings file (:mod:`mindzero.core.settings`,
+which only adds the file and key to the errors) feed the same parsers; :func:`merge_settings` is the one
+rule for a setting given both ways. :class:`CheckpointOptions` does the same for ``ZeroCheckpoint``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+from .checks import is_int, is_number, require_bool, require_int
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    """What one ZeRO stage keeps as 1/N shards on each rank."""
+
+    stage: int
+    shard_optimizer_states: bool  # stages 1-3: moments (and a master shard) are shards
+    shard_gradients: bool  # stages 2-3: gradients are reduce-scattered as produced; accumulation buffers are shards
+    shard_parameters: bool  # stage 3: the network holds shards; full values exist only around their use
+
+
+STAGES = {
+    0: StagePolicy(0, False, False, False),
+    1: StagePolicy(1, True, False, False),
+    2: StagePolicy(2, True, True, False),
+    3: StagePolicy(3, True, True, True),
+}
+
+
+def stage_policy(zero_stage) -> StagePolicy:
+    """The policy of ``zero_stage``.
+
+    Raises:
+        ValueError: ``zero_stage`` is not 0, 1, 2 or 3.
+    """
+    if not is_int(zero_stage) or int(zero_stage) not in STAGES:
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    return STAGES[int(zero_stage)]
+
+
+PARAM_DTYPES = ("float16", "bfloat16")  # what a mixed-precision run holds its parameters in
+MASTER_DTYPE = "float32"  # the optimizer's master values and states in a mixed-precision run
+
+
+def dtype_name(dtype) -> str:
+    """``"float16"`` from ``ms.float16``, ``"float16"``, ``"Float16"`` or ``numpy.float16`` (no MindSpore import)."""
+    name = getattr(dtype, "__name__", None) if isinstance(dtype, type) else None
+    return str(name or dtype).lower().replace("mindspore.", "")
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """The mixed-precision policy of a train step (FSDP2's ``MixedPrecisionPolicy``, DeepSpeed's fp16/bf16).
+
+    ``param_dtype``: ``None`` (default: parameters trained in their own dtype, no master copy) or
+    ``"float16"``/``"bfloat16"``: the network holds its optimized parameters in that dtype (full at stages
+    0-2, shards at stage 3) and the optimizer updates fp32 master values (full at stage 0, shards from
+    stage 1), cast back after each update. ``reduce_dtype``: the dtype gradients are reduced (and
+    accumulated) in: ``param_dtype`` (the default, half the bytes of fp32) or ``"float32"``.
+    """
+
+    param_dtype: str = None
+    reduce_dtype: str = None
+
+    @staticmethod
+    def parse(param_dtype=None, reduce_dtype=None) -> "MixedPrecision":
+        """Validate the two arguments of ``prepare_train_network``.
+
+        Raises:
+            ValueError: naming the argument, the value and the rule.
+        """
+        if param_dtype is None:
+            if reduce_dtype is not None:
+                raise ValueError(f"reduce_dtype={reduce_dtype!r} needs param_dtype: reduce_dtype is the dtype "
+                                 "gradients of a mixed-precision run are reduced in; pass param_dtype=float16 "
+                                 "or bfloat16 too, or leave reduce_dtype=None")
+            return MixedPrecision()
+        param = dtype_name(param_dtype)
+        if param not in PARAM_DTYPES:
+            raise ValueError(f"param_dtype must be None, float16 or bfloat16 (mindspore dtype or name), "
+                             f"got {param_dtype!r}")
+        reduce = param if reduce_dtype is None else dtype_name(reduce_dtype)
+        if reduce not in (param, MASTER_DTYPE):
+            raise ValueError(f"reduce_dtype must be None (= param_dtype), {param} or float32 with "
+                             f"param_dtype={param}, got {reduce_dtype!r}")
+        return MixedPrecision(param, reduce)
+
+    @property
+    def enabled(self) -> bool:
+        return self.param_dtype is not None
+
+    def held(self, dtype: str, optimized: bool, keep_fp32: bool = False) -> str:
+        """The dtype a parameter of ``dtype`` is held in: ``param_dtype`` for an optimized float32 one, unless
+        ``keep_fp32`` (its Cell computes in fp32, e.g. BatchNorm: it stays fp32, as FSDP keeps BatchNorm)."""
+        if self.enabled and optimized and not keep_fp32 and dtype_name(dtype) == MASTER_DTYPE:
+            return self.param_dtype
+        return dtype_name(dtype)
+
+
+FUSION_KINDS = ("allreduce", "reduce_scatter", "allgather")
+
+
+@dataclass(frozen=True)
+class FusionConfig:
+    """Bucket size in bytes per collective kind; ``None`` means one collective per tensor (no fusion)."""
+
+    allreduce: int = None
+    reduce_scatter: int = None
+    allgather: int = None
+
+    def bucket_bytes(self, kind: str):
+        return getattr(self, kind)
+
+    @property
+    def any(self) -> bool:
+        return any(getattr(self, k) is not None for k in FUSION_KINDS)
+
+
+def parse_comm_fusion(comm_fusion) -> FusionConfig:
+    """mindone's ``comm_fusion`` dict to a :class:`FusionConfig`.
+
+    ``comm_fusion`` is ``None`` (no fusion) or a dict whose keys are among ``allreduce``,
+    ``reduce_scatter`` and ``allgather``, each ``{"openstate": bool, "bucket_size": bytes}``
+    (``openstate`` defaults to ``True``). A kind left out is not fused. A tensor larger than the
+    bucket travels alone.
+
+    Raises:
+        ValueError: naming the key, the value and the rule.
+    """
+    if comm_fusion is None:
+        return FusionConfig()
+    if not isinstance(comm_fusion, dict):
+        raise ValueError(f"comm_fusion must be None or a dict such as {{'allreduce': {{'openstate': True, "
+                         f"'bucket_size': 5e8}}}}, got {comm_fusion!r}")
+    sizes = {}
+    for kind, entry in comm_fusion.items():
+        if kind not in FUSION_KINDS:
+            raise ValueError(f"comm_fusion key {kind!r} is not one of {list(FUSION_KINDS)}")
+        if not isinstance(entry, dict) or set(entry) - {"openstate", "bucket_size"}:
+            raise ValueError(f"comm_fusion[{kind!r}] must be a dict with keys 'openstate' (bool) and "
+                             f"'bucket_size' (bytes > 0), got {entry!r}")
+        state = entry.get("openstate", True)
+        if not isinstance(state, bool):
+            raise ValueError(f"comm_fusion[{kind!r}]['openstate'] must be a bool, got {state!r}")
+        if not state:
+            continue
+        size = entry.get("bucket_size")
+        if not is_number(size) or not size >= 1:
+            raise ValueError(f"comm_fusion[{kind!r}]['bucket_size'] must be a number of bytes >= 1, got {size!r}")
+        sizes[kind] = int(size)
+    return FusionConfig(**sizes)
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """``scale_sense``: the loss scale the step starts with, and how it changes: ``dynamic`` (a settings
+    file's ``{init_loss_scale, scale_factor, scale_window}``: the engine makes MindSpore's
+    ``DynamicLossScaleUpdateCell``), or ``manager``, a loss-scale update Cell the user passed (any object
+    with ``get_loss_scale()``, used as it is); neither: a static scale."""
+
+    value: float = 1.0
+    dynamic: Optional[tuple] = None  # (scale_factor, scale_window)
+    manager: object = None
+
+    @staticmethod
+    def parse(scale_sense) -> "LossScale":
+        """From a number, a scalar Tensor, a loss-scale update Cell or a settings mapping.
+
+        Raises:
+            ValueError: naming ``scale_sense``, the value and the rule.
+        """
+        if isinstance(scale_sense, dict):
+            return LossScale._parse_mapping(scale_sense)
+        manager = None
+        if hasattr(scale_sense, "get_loss_scale"):  # nn.DynamicLossScaleUpdateCell and its like
+            value, manager = float(scale_sense.get_loss_scale()), scale_sense
+        elif hasattr(scale_sense, "asnumpy") and hasattr(scale_sense, "size"):  # a MindSpore Tensor
+            if scale_sense.size != 1:
+                raise ValueError(f"scale_sense must be a scalar Tensor, got shape {tuple(scale_sense.shape)}")
+            value = float(scale_sense.asnumpy().reshape(()))
+        elif is_number(scale_sense):
+            value = float(scale_sense)
+        else:
+            raise ValueError(f"scale_sense must be a number, a Tensor or a loss-scale update Cell with "
+                             f"get_loss_scale() (e.g. nn.DynamicLossScaleUpdateCell), got {scale_sense!r}")
+        if not value > 0:
+            raise ValueError(f"scale_sense must be > 0, got {value}")
+        return LossScale(value, None, manager)
+
+    @staticmethod
+    def _parse_mapping(mapping: dict) -> "LossScale":
+        keys = {"init_loss_scale", "scale_factor", "scale_window"}
+        if set(mapping) != keys:
+            raise ValueError("scale_sense as a mapping must have exactly the keys init_loss_scale, scale_factor, "
+                             f"scale_window (nn.DynamicLossScaleUpdateCell), got {sorted(mapping)}")
+        init, factor, window = mapping["init_loss_scale"], mapping["scale_factor"], mapping["scale_window"]
+        if not (is_number(init) and init > 0 and is_number(factor) and factor > 1 and is_int(window) and window >= 1):
+            raise ValueError("scale_sense: init_loss_scale must be a number > 0, scale_factor a number > 1, "
+                             f"scale_window an int >= 1, got {mapping}")
+        return LossScale(float(init), (float(factor), int(window)))
+
+
+@dataclass(frozen=True)
+class EmaPolicy:
+    """An exponential moving average of the optimized parameters: its ``decay`` and initial step count."""
+
+    decay: float
+    updates: int = 0
+
+    @staticmethod
+    def parse(ema, updates=0) -> "Optional[EmaPolicy]":
+        """From ``ema`` (``None``, a decay in (0, 1), or mindone's ``EMA`` with ``ema_decay``) and ``updates``.
+
+        Raises:
+            ValueError: naming the argument, the value and the rule.
+        """
+        if not is_int(updates) or updates < 0:
+            raise ValueError(f"updates (the EMA's initial step count) must be an int >= 0, got {updates!r}")
+        if ema is None:
+            if updates != 0:
+                raise ValueError(f"updates is the EMA's initial step count and needs ema; got updates={updates!r} "
+                                 "with ema=None")
+            return None
+        decay = getattr(ema, "ema_decay", ema)
+        if not is_number(decay) or not 0 < decay < 1:
+            raise ValueError(f"ema must be None, a decay in (0, 1) or an EMA object with ema_decay in (0, 1) "
+                             f"(mindone's EMA), got {ema!r}")
+        return EmaPolicy(float(decay), int(updates))
+
+
+@dataclass(frozen=True)
+class GroupPolicy:
+    """Which ranks shard together: ``None`` everywhere (the whole world), the names of this rank's op and dp
+    groups (hybrid sharding), or, from a settings file, ``hybrid_shard_size`` (ranks per op group: the
+    groups are made by :func:`mindzero.create_hybrid_groups`). Whether the names fit the world is checked
+    across ranks when the world is resolved (:func:`mindzero.comm.resolve_world`)."""
+
+    optimizer_parallel_group: Optional[str] = None
+    dp_group: Optional[str] = None
+    hybrid_shard_size: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("optimizer_parallel_group", "dp_group"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be None or a group name (str), got {value!r}")
+        size = self.hybrid_shard_size
+        if size is not None and (not is_int(size) or size < 1):
+            raise ValueError(f"hybrid_shard_size must be None or an int >= 1 (ranks per op group), got {size!r}")
+        named = [n for n in ("optimizer_parallel_group", "dp_group") if getattr(self, n) is not None]
+        if size is not None and named:
+            raise ValueError(f"hybrid_shard_size={size} makes the groups itself; got {named[0]}="
+                             f"{getattr(self, named[0])!r} too: give one of them")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Every option of one ZeRO train step, validated on construction (the first seven fields keep their
+    order: ``ZeroConfig(zero_stage, gradient_accumulation_steps, clip_grad, ...)``)."""
+
+    zero_stage: int = 0
+    gradient_accumulation_steps: int = 1
+    clip_grad: bool = False
+    clip_norm: float = 1.0
+    drop_overflow_update: bool = True
+    verbose: bool = False
+    precision: "MixedPrecision" = None  # None: MixedPrecision() (no mixed precision)
+    loss_scale: LossScale = field(default_factory=LossScale)
+    ema: Optional[EmaPolicy] = None
+    fusion: "FusionConfig" = None  # None: FusionConfig() (no fusion)
+    groups: GroupPolicy = field(default_factory=GroupPolicy)
+    optimizer_offload: bool = False
+    stage3_regather: bool = True
+
+    def __post_init__(self):
+        if self.precision is None:
+            object.__setattr__(self, "precision", MixedPrecision())
+        if self.fusion is None:
+            object.__setattr__(self, "fusion", FusionConfig())
+        for name, cls in (("precision", MixedPrecision), ("fusion", FusionConfig), ("loss_scale", LossScale),
+                          ("groups", GroupPolicy)):
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
+        if self.ema is not None and not isinstance(self.ema, EmaPolicy):
+            raise ValueError(f"ema must be None or an EmaPolicy, got {self.ema!r}")
+        stage_policy(self.zero_stage)
+        require_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
+        for name in ("clip_grad", "drop_overflow_update", "verbose", "optimizer_offload", "stage3_regather"):
+            require_bool(name, getattr(self, name))
+        if not is_number(self.clip_norm) or not self.clip_norm > 0:
+            raise ValueError(f"clip_norm must be a number > 0, got {self.clip_norm!r}")
+
+    @property
+    def policy(self) -> StagePolicy:
+        return stage_policy(self.zero_stage)
+
+    @staticmethod
+    def from_arguments(arguments: dict) -> "ZeroConfig":
+        """The config of ``prepare_train_network``'s keyword arguments (or a settings mapping's keys), each
+        parsed by its policy; a key left out takes its default (:data:`ARGUMENT_DEFAULTS`).
+
+        Raises:
+            ValueError: a bad value (naming the argument, the value and the rule) or an unknown key.
+            NotImplementedError: ``parallel_modules`` given (mindone's argument; stage 3 needs no wrappers).
+        """
+        unknown = sorted(set(arguments) - set(ARGUMENT_DEFAULTS))
+        if unknown:
+            raise ValueError(f"unknown option {unknown[0]!r}; the options are {sorted(ARGUMENT_DEFAULTS)}")
+        a = {**ARGUMENT_DEFAULTS, **arguments}
+        if a["parallel_modules"] is not None:
+            raise NotImplementedError("parallel_modules: user-supplied per-layer parallel wrappers are not needed "
+                                      "(stage 3 works for any Cell) and not supported; pass None")
+        stage_policy(a["zero_stage"])  # the stage first: its error is the one a user needs
+        return ZeroConfig(a["zero_stage"], a["gradient_accumulation_steps"], a["clip_grad"], a["clip_norm"],
+                          a["drop_overflow_update"], a["verbose"], MixedPrecision.parse(a["param_dtype"], a["reduce_dtype"]),
+                          loss_scale=LossScale.parse(a["scale_sense"]), ema=EmaPolicy.parse(a["ema"], a["updates"]),
+                          fusion=parse_comm_fusion(a["comm_fusion"]),
+                          groups=GroupPolicy(a["optimizer_parallel_group"], a["dp_group"], a["hybrid_shard_size"]),
+                          optimizer_offload=a["optimizer_offload"], stage3_regather=a["stage3_regather"])
+
+
+#: ``prepare_train_network``'s options and their defaults (its signature repeats them: a test holds the two
+#: equal), plus ``hybrid_shard_size``, which only a settings file gives
+ARGUMENT_DEFAULTS = {
+    "scale_sense": 1.0, "ema": None, "updates": 0, "drop_overflow_update": True, "gradient_accumulation_steps": 1,
+    "clip_grad": False, "clip_norm": 1.0, "verbose": False, "zero_stage": 0, "optimizer_offload": False,
+    "optimizer_parallel_group": None, "dp_group": None, "comm_fusion": None, "parallel_modules": None,
+    "stage3_regather": True, "param_dtype": None, "reduce_dtype": None, "hybrid_shard_size": None,
+}
+#: the options a settings file cannot hold (objects of the running job)
+NOT_IN_SETTINGS = ("optimizer_parallel_group", "dp_group", "parallel_modules")
+
+
+def check_option(key: str, value) -> None:
+    """Validate one option alone, by the policy that parses it (for a settings file, key by key).
+
+    Raises:
+        ValueError: naming the option, the value and the rule.
+    """
+    if key in ("ema", "updates"):
+        EmaPolicy.parse(value if key == "ema" else 0.5, value if key == "updates" else 0)
+    elif key in ("param_dtype", "reduce_dtype"):
+        MixedPrecision.parse(value if key == "param_dtype" else "float16", value if key == "reduce_dtype" else None)
+    else:
+        ZeroConfig.from_arguments({key: value})
+
+
+def merge_settings(explicit: dict, settings: dict, defaults: dict = None) -> dict:
+    """The options of a call given both as arguments and by a settings file: ``settings`` plus the
+    arguments that differ from their defaults (``defaults``: :data:`ARGUMENT_DEFAULTS`). The one rule for
+    both sources: a setting given both ways is refused, naming both values.
+
+    Raises:
+        ValueError: ``"<key> is given both as an argument (<value>) and in config (<value>); give each setting
+            once"``.
+    """
+    defaults = ARGUMENT_DEFAULTS if defaults is None else defaults
+    given = {k: v for k, v in explicit.items()
+             if not (type(v) is type(defaults[k]) and v == defaults[k])}  # 1 is not True: types count
+    both = sorted(set(given) & set(settings))
+    if both:
+        k = both[0]
+        raise ValueError(f"{k} is given both as an argument ({given[k]!r}) and in config ({settings[k]!r}); "
+                         "give each setting once")
+    return {**settings, **given}
+
+
+CHECKPOINT_FORMATS = ("ckpt", "safetensors")
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """How :class:`mindzero.ZeroCheckpoint` saves: into ``dir``, every ``save_every`` steps (``None``: at the
+    end only), keeping the newest ``keep`` (0: all), in ``format``, in the background (``async_save``).
+    Validated on construction; a settings file's ``checkpoint`` section has the same keys."""
+
+    dir: Optional[str] = None
+    save_every: Optional[int] = None
+    keep: int = 2
+    format: str = "ckpt"
+    async_save: bool = False
+
+    def __post_init__(self):
+        if self.dir is not None and (not isinstance(self.dir, str) or self.dir == ""):
+            raise ValueError(f"dir must be a non-empty path, got {self.dir!r}")
+        if self.save_every is not None and (not is_int(self.save_every) or self.save_every < 1):
+            raise ValueError(f"save_every must be None (save at the end only) or an int >= 1 (train steps), got "
+                             f"{self.save_every!r}")
+        require_int("keep", self.keep, 0)
+        if self.format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"format must be one of {list(CHECKPOINT_FORMATS)}, got {self.format!r}")
+        require_bool("async_save", self.async_save)
+
+    @staticmethod
+    def keys() -> tuple:
+        return tuple(f.name for f in fields(CheckpointOptions))
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.keys()}
+
+

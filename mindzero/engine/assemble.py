@@ -1,0 +1,161 @@
+"""Assembling a train step's state: the partition plan, one :class:`~mindzero.core.state.ParamState` per
+optimized parameter (its shard, master and buffers), the communication buckets, the loss scale and the EMA,
+into one :class:`~mindzero.core.state.ZeroState`, made once and complete.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from ..core.comm_plan import step_buckets
+from ..core.config import LossScale, MixedPrecision, ZeroConfig
+from ..core.plan import PartitionPlan, param_infos
+from ..core.state import MasterPair, ParamState, ZeroState
+from ..core.topology import World
+from .consistency import check_same_plan, check_same_values
+from .materialize import make_shard, materialize
+from .optim import check_optimizer, offload_update, repoint_optimizer, shard_optimizer, state_tuples
+from .stage3 import check_pynative_recompute, shard_network_parameters
+from .train_step import ZeroEMA
+
+
+def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
+    """The :class:`ZeroState` of ``network`` and ``optimizer`` under ``config`` on this rank of ``world``:
+    checks the optimizer and the precision policy, plans, checks the plan across ranks, shards (network
+    parameters at stage 3, master shards at stages 1-2, the optimizer's states from stage 1; lazily built
+    Parameters are materialised one tensor at a time), checks the initial values across ranks, and makes
+    the accumulation buffers, the buckets, the loss scale and the EMA.
+
+    Communication: the plan and value checks (two small all-gathers).
+    """
+    policy, precision = config.policy, config.precision
+    check_optimizer(optimizer, {p.name: p for p in network.get_parameters()}, policy.shard_optimizer_states)
+    check_precision(precision, optimizer, world)
+    if config.optimizer_offload:
+        offload_update(optimizer)
+    plan = build_plan(network, optimizer, world, precision)
+    check_same_plan(plan, world, config.zero_stage)
+    params = _param_states(optimizer, plan, config)
+    digests = {}
+    state_attrs = _shard_state(network, optimizer, config, world, plan, params, digests)
+    check_same_values(plan, digests, world)
+    _accumulation_buffers(config, params)
+    micro, boundary, gather = step_buckets(params, policy, config.fusion)
+    scale_sense, manager = _loss_scale(config.loss_scale)
+    ema = None
+    if config.ema is not None:
+        ema = ZeroEMA([ps.weight for ps in params], config.ema.decay, config.ema.updates,
+                      ms.float32 if precision.enabled else None)
+    regather = config.stage3_regather and ms.get_context("mode") == ms.GRAPH_MODE
+    return ZeroState(config, world, plan, params, micro, boundary, gather, tuple(state_attrs), scale_sense, manager,
+                     ema, regather)
+
+
+def _loss_scale(loss_scale: LossScale):
+    """``(Parameter, manager Cell or None)`` of a :class:`~mindzero.core.config.LossScale`."""
+    manager = loss_scale.manager
+    if loss_scale.dynamic is not None:
+        manager = nn.DynamicLossScaleUpdateCell(loss_scale.value, *loss_scale.dynamic)
+    return Parameter(Tensor(loss_scale.value, ms.float32), name="scale_sense", requires_grad=False), manager
+
+
+def build_plan(network, optimizer, world: World, precision: MixedPrecision = MixedPrecision()) -> PartitionPlan:
+    """The partition plan of ``network``'s parameters for this rank, in ``network.get_parameters()`` order
+    (dtypes as held: ``param_dtype`` for the optimized parameters of a mixed-precision run)."""
+    return PartitionPlan.build(param_infos(network, precision, optimizer), world.op_size, world.op_rank)
+
+
+def _param_states(optimizer, plan: PartitionPlan, config: ZeroConfig) -> tuple:
+    """A :class:`ParamState` per optimizer parameter (optimizer order): its plan entry, the entry as its
+    gradient is reduced (``reduce_dtype`` with mixed precision) and whether the stage shards it."""
+    precision, out = config.precision, []
+    for p in optimizer.parameters:
+        spec = plan[p.name]
+        reduce_spec = dataclasses.replace(spec, dtype=precision.reduce_dtype) if precision.enabled else spec
+        out.append(ParamState(p.name, p, spec, reduce_spec, spec.sharded and config.policy.shard_optimizer_states,
+                              weight=p, target=p))
+    return tuple(out)
+
+
+def check_precision(precision: MixedPrecision, optimizer, world: World) -> None:
+    """Refuse a mixed-precision policy this run cannot honour.
+
+    Raises:
+        ValueError: bfloat16 on CPU (MindSpore 2.10 has no bfloat16 Dense/MatMul kernels there), or an
+            optimized parameter that is not float32 (its fp32 master and states come from it).
+    """
+    if not precision.enabled:
+        return
+    if precision.param_dtype == "bfloat16" and world.device == "CPU":
+        raise ValueError("param_dtype=bfloat16 is not supported on CPU: MindSpore 2.10 has no bfloat16 kernels for "
+                         "Dense/MatMul there; use param_dtype=float16 on CPU (bfloat16 on GPU/Ascend)")
+    for p in optimizer.parameters:
+        if str(p.dtype).lower() != "float32":
+            raise ValueError(f"param_dtype={precision.param_dtype} needs the optimizer's parameters in float32 "
+                             f"(mindzero makes the {precision.param_dtype} copies and keeps the fp32 masters); "
+                             f"parameter {p.name!r} is {str(p.dtype).lower()}: build the network in float32")
+
+
+def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: PartitionPlan, params: tuple,
+                 digests: dict) -> tuple:
+    """Fill each :class:`ParamState`'s weight, target and master: stage 3: network parameters become shards;
+    stages 1-2: master shards, all-gathered back after the update; stages 1-3: the optimizer is re-pointed at
+    shards; mixed precision: every optimized parameter gets an fp32 master (its stage 1-2 master shard, else a
+    copy of what the network holds), which the optimizer updates, and the network's copy is cast to
+    ``param_dtype``. Lazily built Parameters (:func:`mindzero.lazy_init`) are materialised one tensor at a
+    time: shards where the stage shards, full values where it keeps them; ``digests`` receives the CRC32 of
+    every full value computed.
+
+    Returns:
+        the optimizer's state-tuple attribute names.
+    """
+    policy, precision = config.policy, config.precision
+    specs = {s.name: s for s in plan}
+    if policy.shard_parameters:
+        check_pynative_recompute(network, specs)
+        shards = shard_network_parameters(network, specs, world, config.stage3_regather, digests,
+                                          precision.reduce_dtype)
+        for ps in params:
+            if ps.sharded:  # the network holds the shard now; keep no reference to the full Parameter
+                ps.weight = ps.target = shards[ps.name]
+                ps.param = None
+    elif policy.shard_optimizer_states:
+        for ps in params:
+            if ps.sharded:
+                ps.target = make_shard(materialize(ps.param), ps.spec, "zero_master." + ps.name, digests=digests)
+                ps.master = MasterPair(ps.target, ps.param, True)
+    if precision.enabled:  # the rest held in param_dtype get an fp32 copy, written back locally
+        for ps in params:
+            if ps.target is ps.weight and ps.spec.dtype == precision.param_dtype:
+                materialize(ps.weight, digests if ps.weight is ps.param else None)
+                ps.target = Parameter(Tensor(ps.weight.asnumpy(), ms.float32), name="zero_master." + ps.name)
+                ps.master = MasterPair(ps.target, ps.weight, False)
+    targets = [ps.target for ps in params]
+    if policy.shard_optimizer_states:
+        state_attrs = shard_optimizer(optimizer, [ps.spec for ps in params], targets)
+    else:
+        state_attrs = repoint_optimizer(optimizer, targets) if precision.enabled else tuple(state_tuples(optimizer))
+    # what stays full (stage 0, replicated parameters, buffers, step counters)
+    for p in network.get_parameters():
+        materialize(p, digests if p.name in specs else None)
+    for p in optimizer.get_parameters():
+        materialize(p)
+    if precision.enabled:
+        for ps in params:
+            if ps.spec.dtype == precision.param_dtype:
+                ps.weight.set_dtype(getattr(ms, ps.spec.dtype))
+    return tuple(state_attrs)
+
+
+def _accumulation_buffers(config: ZeroConfig, params: tuple) -> None:
+    """With ``gradient_accumulation_steps > 1``, each :class:`ParamState`'s buffer: a shard from stage 2
+    (sharded parameters), else full; in ``reduce_dtype`` with mixed precision."""
+    if config.gradient_accumulation_steps == 1:
+        return
+    for ps in params:
+        shard = ps.sharded and config.policy.shard_gradients
+        shape = (ps.reduce_spec.shard_size,) if shard else tuple(ps.spec.shape)
+        dtype = getattr(ms, ps.reduce_spec.dtype) if config.precision.enabled else ps.weight.dtype
+        ps.accum = Parameter(ops.zeros(shape, dtype), name="zero_accum." + ps.name, requires_grad=False)

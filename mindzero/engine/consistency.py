@@ -1,0 +1,83 @@
+"""Cross-rank checks before training: every rank built the same plan and the same initial values.
+
+Ranks that disagree would deadlock in mismatched collectives or train different replicas; each check here
+costs one small all-gather and fails on every rank with the same message.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+from mindspore import Tensor
+
+from ..comm.cells import AllGather, shared_cell
+from ..core.plan import PartitionPlan
+from ..core.topology import World
+
+
+def _digits(text: str, n: int) -> list:
+    """``n`` 24-bit pieces of a hex digest (exact in float32, the dtype every backend all-gathers)."""
+    return [float(int(text[6 * i:6 * i + 6], 16)) for i in range(n)]
+
+
+def check_same_plan(plan: PartitionPlan, world: World, stage: int) -> None:
+    """Fail with a message naming the first difference unless every rank built the same plan and stage.
+
+    Communication: one all-gather of 5 numbers per rank; on a mismatch, one more of one number per
+    parameter to locate it. Ranks that disagree would otherwise deadlock in mismatched collectives.
+
+    Raises:
+        ValueError: naming this rank, the differing rank and the first differing parameter.
+    """
+    if world.world_size == 1:
+        return
+    rows = _rows_of_all_ranks(world, [float(len(plan)), float(stage)] + _digits(plan.fingerprint(), 3))
+    bad = [r for r in range(world.world_size) if not np.array_equal(rows[r], rows[0])]
+    if not bad:
+        return
+    other = bad[0]
+    if rows[other][1] != rows[0][1]:
+        raise ValueError(f"rank {world.world_rank}: zero_stage differs across ranks (rank 0: {int(rows[0][1])}, "
+                         f"rank {other}: {int(rows[other][1])}); every rank must prepare the same stage")
+    if rows[other][0] != rows[0][0]:
+        raise ValueError(f"rank {world.world_rank}: the networks differ across ranks: rank 0 has {int(rows[0][0])} "
+                         f"parameters, rank {other} has {int(rows[other][0])}; this rank has {len(plan)}")
+    per = [_digits(hashlib.sha256(repr((s.name, s.shape, s.dtype, s.sharded)).encode()).hexdigest(), 1)[0]
+           for s in plan]
+    table = _rows_of_all_ranks(world, per)
+    index = int(np.argmax(table[other] != table[0]))
+    spec = plan.specs[index]
+    raise ValueError(f"rank {world.world_rank}: the networks differ across ranks at parameter #{index}: on this rank "
+                     f"{spec.name!r} {spec.shape} {spec.dtype}, and rank {other} differs from rank 0 there; "
+                     "every rank must build the same network and optimizer")
+
+
+def _rows_of_all_ranks(world: World, row: list):
+    """``row`` (floats, exact in float32) from every rank: a ``(world_size, len(row))`` numpy array."""
+    gathered = shared_cell(AllGather, world, "world")(Tensor(np.array(row, np.float32)))
+    return gathered.asnumpy().reshape(world.world_size, -1)
+
+
+def check_same_values(plan: PartitionPlan, digests: dict, world: World) -> None:
+    """Fail unless every rank computed the same full values (``digests``: name -> CRC32 of the full
+    tensor, for the tensors prepare materialised or sharded).
+
+    Communication: one all-gather of two numbers per parameter. Ranks built with different seeds would
+    otherwise train different replicas (stages 0-2) or a model stitched from different initialisations.
+
+    Raises:
+        ValueError: naming the first parameter whose values differ and the rank.
+    """
+    if world.world_size == 1:
+        return
+    row = []
+    for s in plan:
+        crc = digests.get(s.name, -1)
+        row += [-1.0, -1.0] if crc < 0 else [float(crc >> 16), float(crc & 0xFFFF)]  # exact in float32
+    table = _rows_of_all_ranks(world, row)
+    bad = [r for r in range(world.world_size) if not np.array_equal(table[r], table[0])]
+    if bad:
+        index = int(np.argmax(np.any(table[bad[0]].reshape(-1, 2) != table[0].reshape(-1, 2), axis=1)))
+        raise ValueError(f"rank {world.world_rank}: the initial values of parameter {plan.specs[index].name!r} differ "
+                         f"between rank 0 and rank {bad[0]}; every rank must build the same network with the same "
+                         "seed (call mindspore.set_seed(...) with one value on every rank before building it)")

@@ -1,0 +1,221 @@
+"""Every graph-mode kernel of mindzero: ``MultitypeFuncGraph`` s mapped over tuples of tensors with the one
+``Map`` (:data:`MAP`), MindSpore's own idiom (``nn/wrap/grad_reducer.py``).
+
+The graph holds one call per tensor; nothing grows a tuple one element at a time (which unrolls into a
+graph quadratic in the number of tensors). Per-tensor constants (paddings, positions, buckets) are tuples
+of Python numbers mapped alongside. A Cell a kernel calls is mapped as an element too (a tuple of Cells):
+bound with ``ops.partial`` instead, MindSpore 2.10 fails to compile the step ("The pointer[cnode_abs] is
+null"), as it does when a kernel chooses between two Cells with ``if``.
+
+Used by the collective Cells (:mod:`mindzero.comm.cells`: buckets) and the train step
+(:mod:`mindzero.engine.train_step`).
+"""
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import ops
+
+from ..core.state import OWN_SLICE, REPLICATED
+
+MAP = ops.Map()
+
+
+def own_shard(flat, padding: int, op_rank: int, op_size: int):
+    """``flat`` zero-padded by ``padding``, then op rank ``op_rank``'s contiguous 1/``op_size`` (the graph
+    twin of :func:`mindzero.core.plan.shard_of_flat`).
+
+    Pads the whole tensor before slicing: slicing a collective's output first and padding the tail made
+    MindSpore 2.10's CPU all-reduce write into a buffer of the slice's size ("RunRingAllReduce Memcpy
+    error"). Without padding or sharding the tensor is returned as it is.
+    """
+    if padding:
+        flat = ops.concat((flat, ops.zeros((padding,), flat.dtype)))
+    if op_size == 1:
+        return flat
+    size = flat.shape[0] // op_size
+    return flat[op_rank * size:(op_rank + 1) * size]
+
+
+# --- tuples and buckets ------------------------------------------------------------------------------------
+flatten = ops.MultitypeFuncGraph("mindzero_flatten")
+item = ops.MultitypeFuncGraph("mindzero_item")
+own_part = ops.MultitypeFuncGraph("mindzero_own_part")
+as_rows = ops.MultitypeFuncGraph("mindzero_as_rows")
+reshape_as = ops.MultitypeFuncGraph("mindzero_reshape_as")
+
+
+@flatten.register("Tensor")
+def _flatten(x):
+    """``x`` as 1D."""
+    return x.reshape((-1,))
+
+
+@item.register("Tuple", "Number")
+def _item(values, i):
+    """``values[i]``."""
+    return values[i]
+
+
+@own_part.register("Tensor", "Number", "Number", "Number", "Number", "Number")
+def _own_part(flat, op_rank, op_size, offset, numel, padding):
+    """This rank's padded shard of the tensor at ``[offset, offset + numel)`` of a concatenation."""
+    return own_shard(flat[offset:offset + numel], padding, op_rank, op_size)
+
+
+@as_rows.register("Number", "Tensor", "Number")
+def _as_rows(op_size, x, padding):
+    """``x`` flattened, zero-padded and laid out as ``(op_size, shard_size)``: row ``r`` is op rank ``r``'s shard."""
+    return own_shard(x.reshape((-1,)), padding, 0, 1).reshape((op_size, -1))
+
+
+@reshape_as.register("Tensor", "Tensor")
+def _reshape_as(part, like):
+    """``part`` in ``like``'s shape."""
+    return part.reshape(like.shape)
+
+
+def pick(values, positions):
+    """``(values[positions[0]], values[positions[1]], ...)``."""
+    return MAP(ops.partial(item, values), positions)
+
+
+def flat_concat(tensors):
+    """The tensors flattened and concatenated (no copy for one tensor)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape((-1,))
+    return ops.concat(MAP(flatten, tensors))
+
+
+# --- the train step ----------------------------------------------------------------------------------------
+reduce_unit = ops.MultitypeFuncGraph("mindzero_reduce_unit")
+route = ops.MultitypeFuncGraph("mindzero_route")
+reduce_grad = ops.MultitypeFuncGraph("mindzero_reduce_grad")
+scale_by = ops.MultitypeFuncGraph("mindzero_scale_by")
+finite = ops.MultitypeFuncGraph("mindzero_finite")
+norm_sq = ops.MultitypeFuncGraph("mindzero_norm_sq")
+accumulate = ops.MultitypeFuncGraph("mindzero_accumulate")
+zero_after = ops.MultitypeFuncGraph("mindzero_zero_after")
+depend_on = ops.MultitypeFuncGraph("mindzero_depend_on")
+gather_unit = ops.MultitypeFuncGraph("mindzero_gather_unit")
+gather_write = ops.MultitypeFuncGraph("mindzero_gather_write")
+write_full = ops.MultitypeFuncGraph("mindzero_write_full")
+ema_update = ops.MultitypeFuncGraph("mindzero_ema_update")
+cast_to = ops.MultitypeFuncGraph("mindzero_cast_to")
+write_cast = ops.MultitypeFuncGraph("mindzero_write_cast")
+
+
+@reduce_unit.register("Tuple", "Function", "Tuple", "Tuple")
+def _reduce_unit(grads, reducer, positions, bucket):
+    """One bucket's collective: ``reducer`` of the gradients at ``positions``."""
+    return reducer(pick(grads, positions), bucket)
+
+
+def _scaled(g, factor, scale_it, widen):
+    if widen:  # mixed precision: the optimizer updates fp32 masters; scale in fp32 (no fp16 underflow)
+        g = ops.cast(g, ms.float32)
+    if scale_it:
+        return g * ops.cast(factor, g.dtype)
+    return g
+
+
+@reduce_grad.register("Tensor", "Bool", "Bool", "Function", "Number", "Tensor")
+def _reduce_grad(factor, scale_it, widen, reducer, padding, g):
+    """One gradient's collective (``reducer``), then (``widen``) fp32 and (``scale_it``) the ``factor``."""
+    return _scaled(reducer(g, padding), factor, scale_it, widen)
+
+
+@route.register("Tuple", "Tuple", "Tensor", "Bool", "Bool", "Number", "Number", "Number")
+def _route(grads, reduced, factor, scale_it, widen, i, unit, index):
+    """Gradient ``i`` after the buckets: ``reduced[unit][index]``, or ``grads[i]`` when in no bucket."""
+    if unit < 0:
+        g = grads[i]
+    else:
+        g = reduced[unit][index]
+    return _scaled(g, factor, scale_it, widen)
+
+
+@cast_to.register("TypeType", "Tensor")
+def _cast_to(dtype, g):
+    """``g`` in ``dtype``; no Cast node where nothing changes (every run without param_dtype)."""
+    if g.dtype == dtype:
+        return g
+    return ops.cast(g, dtype)
+
+
+@write_cast.register("Tensor", "Tensor", "Tensor")
+def _write_cast(after, held, master):
+    """After ``after``: the network's ``held`` copy := ``master`` in ``held``'s dtype."""
+    return ops.assign(held, ops.cast(ops.depend(master, after), held.dtype))
+
+
+@scale_by.register("Tensor", "Tensor")
+def _scale(factor, g):
+    """``g * factor`` in ``g``'s dtype."""
+    return g * ops.cast(factor, g.dtype)
+
+
+@finite.register("Tensor")
+def _finite(g):
+    """Whether every element of ``g`` is finite."""
+    return ops.isfinite(g).all()
+
+
+@norm_sq.register("Number", "Number", "Number", "Number", "Number", "Tensor")
+def _norm_sq(want, op_rank, op_size, kind, padding, g):
+    """Sum of squares (shape ``(1,)``, fp32) of the part of ``g`` this rank counts in the global norm, if
+    ``g``'s norm kind is ``want`` (sharded or replicated); zero otherwise (adding it changes nothing)."""
+    if (kind == REPLICATED) != (want == REPLICATED):
+        return ops.zeros((1,), ms.float32)
+    if kind == OWN_SLICE:
+        g = own_shard(g.reshape((-1,)), padding, op_rank, op_size)
+    return ops.reduce_sum(ops.square(ops.cast(g, ms.float32))).reshape((1,))
+
+
+@accumulate.register("Tensor", "Tensor")
+def _accumulate(buf, g):
+    """``buf += g``."""
+    return ops.assign_add(buf, g)
+
+
+@zero_after.register("Tensor", "Tensor")
+def _zero_after(after, buf):
+    """After ``after``: ``buf := 0``."""
+    return ops.assign(buf, ops.depend(ops.zeros_like(buf), after))
+
+
+@depend_on.register("Tensor", "Tensor")
+def _depend_on(after, x):
+    """``x``, ordered after ``after``."""
+    return ops.depend(x, after)
+
+
+@gather_unit.register("Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
+def _gather_unit(after, fulls, shards, gather, positions, bucket):
+    """After ``after``: one bucket's all-gather of updated master shards into their full parameters (in the
+    parameters' dtype: a bucket has one)."""
+    held = pick(fulls, positions)
+    shards = MAP(ops.partial(depend_on, after), pick(shards, positions))
+    values = gather(MAP(ops.partial(cast_to, held[0].dtype), shards), bucket)
+    return MAP(write_full, held, values)
+
+
+@gather_write.register("Tensor", "Function", "Tensor", "Tensor")
+def _gather_write(after, gather, full, shard):
+    """After ``after``: one all-gather of an updated master shard into its full parameter (mixed precision:
+    in param_dtype, half the bytes of fp32)."""
+    return _write_full(full, gather(_cast_to(full.dtype, ops.depend(shard, after))))
+
+
+@write_full.register("Tensor", "Tensor")
+def _write_full(full, value):
+    """``full := value`` without its padding, in ``full``'s shape."""
+    if value.shape[0] != full.size:
+        value = value[:full.size]
+    return ops.assign(full, value.reshape(full.shape))
+
+
+@ema_update.register("Tensor", "Tensor", "Tensor")
+def _ema_update(d, ema, w):
+    """``ema := d * ema + (1 - d) * w``."""
+    factor = ops.cast(d, ema.dtype)
+    return ops.assign(ema, ema * factor + ops.cast(w, ema.dtype) * (1.0 - factor))

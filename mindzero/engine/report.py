@@ -1,0 +1,65 @@
+"""What a built train step holds and does: :func:`memory_report` (bytes counted from the tensors a rank
+holds, next to the plan's) and :func:`plan_text` (the verbose log of ``prepare_train_network``)."""
+from __future__ import annotations
+
+from ..core.comm_plan import format_comm
+from ..core.memory import expected_bytes
+from .optim import optimizer_state_params
+
+
+def memory_report(train_net) -> dict:
+    """Bytes this rank holds persistently, counted from the tensors actually allocated.
+
+    Returns:
+        ``{"parameters", "gradients", "optimizer_states", "optimizer_moments", "master_shards", "ema": int,
+        "expected": {same keys}, "stage": int, "op_size": int, "dp_size": int}`` (and ``group_size``,
+        ``replicas``: the same two under their deprecated names); ``optimizer_states`` is
+        ``optimizer_moments + master_shards``.
+    """
+    info = train_net.zero_info
+    moments = sum(_nbytes(p) for p in optimizer_state_params(train_net.optimizer, info.state_attrs))
+    masters = sum(_nbytes(p) for p in info.master_shards)
+    return {
+        "parameters": sum(_nbytes(p) for p in train_net.network.get_parameters()),
+        "gradients": sum(_nbytes(p) for p in info.accum_buffers),
+        "optimizer_moments": moments,
+        "master_shards": masters,
+        "optimizer_states": moments + masters,
+        "ema": sum(_nbytes(p) for p in train_net.ema.ema_weights) if train_net.has_ema else 0,
+        "expected": expected_bytes(info.plan, info.config.policy, len(info.state_attrs),
+                                   info.config.gradient_accumulation_steps > 1, train_net.has_ema, info.precision),
+        "stage": info.config.zero_stage,
+        "op_size": info.world.op_size,  # the op group: what the shards divide by
+        "dp_size": info.world.dp_size,
+        "group_size": info.world.op_size,  # deprecated keys (a dict cannot warn): op_size, dp_size
+        "replicas": info.world.dp_size,
+    }
+
+
+def _nbytes(tensor) -> int:
+    return int(tensor.nbytes)
+
+
+def plan_text(train_net) -> str:
+    """The verbose log of ``prepare_train_network``: stage, groups, per-rank bytes by kind next to the
+    formula, replicated parameters with reasons, and the communication per step."""
+    info = train_net.zero_info
+    world, config = info.world, info.config
+    groups = (f"op group {world.op_size} ({world.op_group!r}) x {world.dp_size} replicas "
+              f"(dp group {world.dp_group!r})" if world.hybrid else f"op group {world.op_size} (the world)")
+    fusion = ", ".join(f"{k} {info.fusion.bucket_bytes(k) / 2 ** 20:g} MiB" for k in ("allreduce", "reduce_scatter",
+                                                                                      "allgather")
+                       if info.fusion.bucket_bytes(k) is not None) or "off"
+    report = memory_report(train_net)
+    mib = 2 ** 20
+    lines = [f"mindzero: zero_stage={config.zero_stage}, {groups}, device {world.device}, "
+             f"gradient_accumulation_steps={config.gradient_accumulation_steps}, comm_fusion: {fusion}"]
+    if info.precision.enabled:
+        lines.append(f"mixed precision: parameters {info.precision.param_dtype}, gradients reduced in "
+                     f"{info.precision.reduce_dtype}, fp32 masters and optimizer states")
+    lines.append("persistent bytes per rank (measured = plan):")
+    for kind in ("parameters", "gradients", "optimizer_states"):
+        lines.append(f"  {kind:<17} {report[kind] / mib:10.3f} MiB (plan {report['expected'][kind] / mib:.3f} MiB)")
+    lines.append(info.plan.summary())
+    lines.append(format_comm(info.calls, info.real_calls if world.emulated else None))
+    return "\n".join(lines)
