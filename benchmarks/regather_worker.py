@@ -25,6 +25,7 @@ def main():
     from mindspore import Tensor, nn, ops
 
     import mindzero
+    from mindzero.launch.local import finish_rank
 
     world = mindzero.start_data_parallel()
     dim, layers = a.dim, a.layers
@@ -52,7 +53,7 @@ def main():
         losses.append(float(train(x, y)[0].asnumpy()))
         times.append(time.perf_counter() - t)
     Path(a.out, f"rank_{world.world_rank}.json").write_text(json.dumps(dict(times=times, losses=losses)))
-    Path(a.out, f"rank_{world.world_rank}.done").write_text("ok")
+    finish_rank(a.out, world.world_rank)  # the launcher waits for it
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ def main():
     from mindspore import Tensor
 
     import mindzero
+    from mindzero.launch.local import finish_rank
 
     world = mindzero.start_data_parallel()
     net, opt = build(a, lazy=True)
@@ -68,10 +69,12 @@ def main():
                bytes_per_rank=written, **result)
     out = Path(a.out)
     (out / f"rank_{world.world_rank}.json").write_text(json.dumps(res, indent=1))
-    mindzero.checkpoint._Barrier(train.zero_info.world)()
+    from mindzero.checkpoint.live import _Barrier
+
+    _Barrier(train.zero_info.world)()
     if world.world_rank == 0:
         shutil.rmtree(root, ignore_errors=True)
-    (out / f"rank_{world.world_rank}.done").write_text("ok")
+    finish_rank(out, world.world_rank)  # the launcher waits for it
 
 
 if __name__ == "__main__":

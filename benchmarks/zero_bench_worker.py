@@ -203,7 +203,9 @@ def main():
         result["comm_real"] = summarize(train.zero_info.real_calls)
     out = Path(a.out)
     (out / f"rank_{world.world_rank}.json").write_text(json.dumps(result, indent=1))
-    (out / f"rank_{world.world_rank}.done").write_text("ok")
+    from mindzero.launch.local import finish_rank
+
+    finish_rank(out, world.world_rank)  # the launcher waits for it
     if a.config != "dp" and world.world_rank == 0:  # after the measurements: building the text costs memory too
         from mindzero.engine.report import plan_text
         print(plan_text(train), flush=True)

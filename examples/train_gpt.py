@@ -31,6 +31,7 @@ from mindspore import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mindzero  # noqa: E402
 from mindzero.checkpoint.live import complete_checkpoints, latest_checkpoint  # noqa: E402
+from mindzero.launch.local import finish_rank  # noqa: E402
 from mindzero.comm import AllGather  # noqa: E402
 from mindzero.checkpoint.offline import merge_checkpoint  # noqa: E402
 from gpt import GPT, CharTokenizer, LMLoss, batches, generate, init_params, make_corpus  # noqa: E402
@@ -246,7 +247,7 @@ def main():
             curves = [(f"stage {s}", json.loads((out / f"stage_{s}" / "history.json").read_text())) for s in results]
             plot(curves, out / "loss_all_stages.png", f"GPT on {world.world_size} ranks, ZeRO stages",
                  np.log(tok.vocab_size))
-    (out / f"rank_{world.world_rank}.done").write_text("ok")
+    finish_rank(out, world.world_rank)  # what mindzero.local_launch waits for
 
 
 if __name__ == "__main__":

@@ -1,12 +1,6 @@
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE / "multirank"))
 
 FULL_REASON = ("full tier only (the default suite stays under 30 minutes on 2 cores): run "
                "`bash scripts/test.sh --full` or set MINDZERO_FULL_SUITE=1 (docs/testing.md)")

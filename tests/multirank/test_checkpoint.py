@@ -1,26 +1,27 @@
 """Checkpoints across processes: resume bit-identical (fresh processes), merge into the plain network,
 mindone-style convert_checkpoints, reshard 4->2 (stage 3->2) and 2->4 (stage 1->3) with continued training."""
-import json
-from pathlib import Path
+import dataclasses
 
 import numpy as np
 import pytest
 
 import mindzero
 from mindzero.launch.local import msrun
+from tests.support.compare import load_npz
+from tests.support.scenarios import CheckpointCase as Case
+from tests.support.scenarios import cases_arg
 
-HERE = Path(__file__).resolve().parent
+from . import WORKERS
+
 STAGES = (0, 1, 2, 3)
 
 
 def load(out, rank, name):
-    with np.load(Path(out) / f"rank_{rank}" / f"{name}.npz") as f:
-        return {k: f[k] for k in f.files}
+    return load_npz(out / f"rank_{rank}" / f"{name}.npz")
 
 
-def launch(n, out, phase, scenarios):
-    msrun(HERE / "worker_checkpoint.py", n, out, ["--phase", phase, "--scenarios", json.dumps(scenarios)],
-          timeout=900)
+def launch(n, out, phase, cases):
+    msrun(WORKERS / "worker_checkpoint.py", n, out, ["--phase", phase, "--cases", cases_arg(cases)], timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -28,29 +29,25 @@ def runs(tmp_path_factory):
     """All launches once: 2-rank and 4-rank training with saves, reshards, then fresh resumes."""
     root = tmp_path_factory.mktemp("ckpt")
     ck = root / "checkpoints"
-    two = [dict(name=f"mixed-{s}", model="mixed", stage=s, ckpt=str(ck / f"mixed-{s}"),
-                format="safetensors" if s == 2 else "ckpt", full_path=str(ck / f"full-{s}.ckpt")) for s in STAGES]
-    two += [dict(name="resnet-3", model="resnet", stage=3, ckpt=str(ck / "resnet-3")),
-            dict(name="awk2-s1", model="awkward", stage=1, ckpt=str(ck / "awk2-s1"))]
-    two += [dict(name=f"mp-mixed-{s}", model="mixed", stage=s, ckpt=str(ck / f"mp-mixed-{s}"), param_dtype="float16")
-            for s in (1, 3)]
-    two += [dict(name="mixed-3-async", model="mixed", stage=3, ckpt=str(ck / "mixed-3-async"), **{"async": True})]
-    four = [dict(name="awk4-s3", model="awkward", stage=3, ckpt=str(ck / "awk4-s3"))]
+    two = [Case(f"mixed-{s}", "mixed", s, str(ck / f"mixed-{s}"), format="safetensors" if s == 2 else "ckpt",
+                full_path=str(ck / f"full-{s}.ckpt")) for s in STAGES]
+    two += [Case("resnet-3", "resnet", 3, str(ck / "resnet-3")), Case("awk2-s1", "awkward", 1, str(ck / "awk2-s1"))]
+    two += [Case(f"mp-mixed-{s}", "mixed", s, str(ck / f"mp-mixed-{s}"), param_dtype="float16") for s in (1, 3)]
+    two += [Case("mixed-3-async", "mixed", 3, str(ck / "mixed-3-async"), async_save=True)]
+    four = [Case("awk4-s3", "awkward", 3, str(ck / "awk4-s3"))]
     launch(2, root / "train2", "train", two)
     launch(4, root / "train4", "train", four)
     mindzero.reshard_checkpoint(ck / "awk4-s3", ck / "awk4-to-2-s2", 2, stage=2, log=None)
     mindzero.reshard_checkpoint(ck / "awk2-s1", ck / "awk2-to-4-s3", 4, stage=3, log=None)
-    resume2 = [dict(s) for s in two[:5] + two[6:]] + [dict(name="awk4-to-2", model="awkward", stage=2,
-                                                          ckpt=str(ck / "awk4-to-2-s2"))]
+    resume2 = [dataclasses.replace(c, async_save=False, full_path=None) for c in two[:5] + two[6:]]
+    resume2 += [Case("awk4-to-2", "awkward", 2, str(ck / "awk4-to-2-s2"))]
     # resume anywhere: load_checkpoint straight from another world size, stage or precision
-    resume2 += [dict(name="awk4-direct-2", model="awkward", stage=2, ckpt=str(ck / "awk4-s3")),
-                dict(name="mp3-into-fp32", model="mixed", stage=3, ckpt=str(ck / "mp-mixed-3")),
-                dict(name="fp32-into-mp1", model="mixed", stage=1, ckpt=str(ck / "mixed-1"), param_dtype="float16")]
+    resume2 += [Case("awk4-direct-2", "awkward", 2, str(ck / "awk4-s3")),
+                Case("mp3-into-fp32", "mixed", 3, str(ck / "mp-mixed-3")),
+                Case("fp32-into-mp1", "mixed", 1, str(ck / "mixed-1"), param_dtype="float16")]
     launch(2, root / "resume2", "resume", resume2)
-    launch(4, root / "resume4", "resume", [dict(name="awk2-to-4", model="awkward", stage=3,
-                                                ckpt=str(ck / "awk2-to-4-s3")),
-                                           dict(name="awk2-direct-4", model="awkward", stage=3,
-                                                ckpt=str(ck / "awk2-s1"))])
+    launch(4, root / "resume4", "resume", [Case("awk2-to-4", "awkward", 3, str(ck / "awk2-to-4-s3")),
+                                           Case("awk2-direct-4", "awkward", 3, str(ck / "awk2-s1"))])
     return root
 
 
@@ -82,7 +79,7 @@ def test_resume_in_fresh_processes(runs, name):
 @pytest.mark.parametrize("stage", STAGES)
 def test_merge_loads_into_plain_network(runs, stage, tmp_path):
     import mindspore as ms
-    from models import build
+    from tests.support.models import build
 
     saved = load(runs / "train2", 0, f"mixed-{stage}")
     fmt = "safetensors" if stage == 2 else "ckpt"

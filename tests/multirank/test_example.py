@@ -2,7 +2,6 @@
 stage 0's, checkpoints are kept and pruned, the merged model loads into the plain network and
 generates, a loss curve is drawn, and an interrupted run resumes to the same losses."""
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -111,8 +110,7 @@ def test_model_example_stops_resumes_and_merges(with_model):
     state = mindzero.read_trainer_state(out / "ckpts" / "step_00000020")
     assert state["step"] == 20 and [s for s, _ in state["history"]] == list(range(1, 21))
     assert state["history"][-1][1] < state["history"][0][1]
-    sys.path.insert(0, str(REPO / "examples"))
-    from gpt import GPT, LMLoss  # noqa: E402
+    from examples.gpt import GPT, LMLoss
 
     params = ms.load_checkpoint(str(out / "final_model.ckpt"))
     missing, unused = ms.load_param_into_net(LMLoss(GPT(len(params["gpt.embed.embedding_table"]), 32, 1, 2, 16)),

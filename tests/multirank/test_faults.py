@@ -4,17 +4,17 @@ JSON and in the marker, and ranks' files from different steps. What the user see
 (docs/checkpoints.md has the matrix.)"""
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import mindzero
+from mindzero.checkpoint.format import SplitInfo, split_info_name, write_marker
 from mindzero.checkpoint.tensor_io import CkptReader
 from mindzero.launch.local import msrun, rank_output
-from mindzero.checkpoint.format import SplitInfo, split_info_name, write_marker
+from tests.support.compare import load_npz
 
-HERE = Path(__file__).resolve().parent
+from . import WORKERS
 
 
 def _flip(path, offset):
@@ -62,20 +62,15 @@ def faults(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     ck = root / "ck"
     with pytest.raises(AssertionError) as err:
-        msrun(HERE / "worker_fault.py", 2, root / "kill", ["--phase", "kill", "--root", str(ck)], timeout=300)
+        msrun(WORKERS / "worker_fault.py", 2, root / "kill", ["--phase", "kill", "--root", str(ck)], timeout=300)
     kill_error = str(err.value)
     after_kill = {p.name: sorted(q.name for q in p.iterdir()) for p in ck.iterdir()}
     damaged = _damage(ck)
-    msrun(HERE / "worker_fault.py", 2, root / "resume",
+    msrun(WORKERS / "worker_fault.py", 2, root / "resume",
           ["--phase", "resume", "--root", str(ck), "--damaged", json.dumps([str(p) for p, _ in damaged.values()])],
           timeout=600)
     reports = [json.loads((root / "resume" / f"rank_{r}" / "resume.json").read_text()) for r in range(2)]
     return dict(root=root, ck=ck, kill_error=kill_error, after_kill=after_kill, damaged=damaged, reports=reports)
-
-
-def _npz(path):
-    with np.load(path) as f:
-        return {k: f[k] for k in f.files}
 
 
 def test_kill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(faults):
@@ -97,8 +92,8 @@ def test_kill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(faults):
 
 def test_resume_after_the_kill_continues_exactly(faults):
     for r in range(2):
-        before = _npz(faults["root"] / "kill" / f"rank_{r}" / "kill.npz")
-        after = _npz(faults["root"] / "resume" / f"rank_{r}" / "resume.npz")
+        before = load_npz(faults["root"] / "kill" / f"rank_{r}" / "kill.npz")
+        after = load_npz(faults["root"] / "resume" / f"rank_{r}" / "resume.npz")
         for k in (k for k in before if k.startswith("saved/")):
             np.testing.assert_array_equal(after["loaded/" + k[6:]], before[k], err_msg=k)
         assert after["loss3"].tolist() == before["loss3"].tolist()
@@ -142,7 +137,7 @@ def test_async_save_overlapped_with_training_holds_the_saved_state(faults, tmp_p
     assert all(faults["reports"][r]["async_path"] == str(path) for r in range(2))
     assert all(faults["reports"][r]["async_host_bytes"] > 0 for r in range(2))
     assert mindzero.verify_checkpoint(path, log=None)["ok"]
-    saved = _npz(faults["root"] / "resume" / "rank_0" / "resume.npz")
+    saved = load_npz(faults["root"] / "resume" / "rank_0" / "resume.npz")
     mindzero.merge_checkpoint(path, tmp_path / "m.ckpt", log=None)
     merged = CkptReader(tmp_path / "m.ckpt")
     for name in merged.names():

@@ -3,62 +3,74 @@
 resumes and reshards, and broken layouts fail on every rank with a clear message. One launch
 (``worker_hybrid.py``)."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mindzero.launch.local import msrun
 from mindzero.checkpoint.offline import merge_checkpoint, reshard_checkpoint
 from mindzero.checkpoint.tensor_io import open_reader
-from test_parity import ON_CPU, assert_same_run, load, rel_err
+from mindzero.launch.local import msrun
+from tests.support.compare import ON_CPU, RTOL_FP16, Results, assert_same_run, rel_err
+from tests.support.scenarios import hybrid_scenarios
 
-HERE = Path(__file__).resolve().parent
+from . import WORKERS
+
 N = 4
 MODELS = ["mixed", "awkward", "gpt", "resnet"]
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory):
+def res(tmp_path_factory):
     out = tmp_path_factory.mktemp("hybrid")
-    msrun(HERE / "worker_hybrid.py", N, out, timeout=1800)
-    return out
+    msrun(WORKERS / "worker_hybrid.py", N, out, timeout=1800)
+    return Results(out, [s.name for s in hybrid_scenarios()])
 
 
-def test_layout_and_group_collectives(out):
+def test_layout_and_group_collectives(res):
     for r in range(N):
-        c = json.loads((out / f"rank_{r}" / "collectives.json").read_text())
+        c = res.json(r, "collectives.json")
         assert c["layout"] == dict(op_size=2, op_rank=r % 2, dp_size=2, dp_rank=r // 2,
                                    members=[2 * (r // 2), 2 * (r // 2) + 1]), c
         assert c["all_gather_ok"] and c["op_sum_ok"] and c["world_sum_ok"] and c["reduce_scatter_ok"], c
         assert c["emulated"] == ON_CPU  # CPU: world collectives
         # the GPU/Ascend path (op-group AllGather/AllReduce, ReduceScatter + dp-group AllReduce), its primitives
         # substituted by CPU-legal ones: the same numbers
-        sub = json.loads((out / f"rank_{r}" / "collectives_substitute.json").read_text())
+        sub = res.json(r, "collectives_substitute.json")
         assert not sub["emulated"] and {k: v for k, v in sub.items() if k != "emulated"} == \
             {k: v for k, v in c.items() if k != "emulated"}, sub
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("model", MODELS)
-def test_hybrid_equals_plain_data_parallel(out, model, stage):
+def test_hybrid_equals_plain_data_parallel(res, model, stage):
     for r in range(N):
-        assert_same_run(load(out, r, f"{model}-h{stage}"), load(out, r, f"{model}-dp"),
+        assert_same_run(res.load(r, f"{model}-h{stage}"), res.load(r, f"{model}-dp"),
                         f"{model} hybrid stage {stage} vs DP over 4 ranks, rank {r}")
 
 
+def test_every_rank_of_a_hybrid_run_sees_its_own_data(res):
+    """Data is sharded by world rank over the world size (``start_data_parallel``'s world), not by the op rank,
+    which repeats across replicas: the 4 ranks of a hybrid run (op ranks 0, 1, 0, 1) train on 4 different
+    inputs at every step."""
+    for name in ("mixed-h3", "accum-h2"):
+        seen = np.stack([res.load(r, name)["data"] for r in range(N)])  # (rank, step): CRC-32 of the input
+        assert seen.shape[1] >= 10
+        for step in range(seen.shape[1]):
+            assert len(set(seen[:, step])) == N, (name, step, seen[:, step])
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_hybrid_clip_equals_flat_stage0_clip(out, stage):
+def test_hybrid_clip_equals_flat_stage0_clip(res, stage):
     for r in range(N):
-        assert_same_run(load(out, r, f"clip-h{stage}"), load(out, r, "clip-dp0"), f"clip stage {stage} rank {r}")
+        assert_same_run(res.load(r, f"clip-h{stage}"), res.load(r, "clip-dp0"), f"clip stage {stage} rank {r}")
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_hybrid_accumulation_equals_plain_data_parallel(out, stage):
+def test_hybrid_accumulation_equals_plain_data_parallel(res, stage):
     """K=4 micro-batches of 2 (gradient buffers sharded over the op group) equal plain DP over 4 ranks
     on the concatenated batch of 8."""
     for r in range(N):
-        got, dp = load(out, r, f"accum-h{stage}"), load(out, r, "accum-dp")
+        got, dp = res.load(r, f"accum-h{stage}"), res.load(r, "accum-dp")
         micro_means = got["losses"].reshape(-1, 4).mean(axis=1)
         assert len(dp["losses"]) == 10 and rel_err(micro_means, dp["losses"]) <= 1e-5, (micro_means, dp["losses"])
         names = [k for k in dp if k.startswith("param/") and not k.endswith("@init")]
@@ -68,30 +80,28 @@ def test_hybrid_accumulation_equals_plain_data_parallel(out, stage):
 
 
 @pytest.mark.parametrize("stage", [3])
-def test_hybrid_mixed_precision_equals_flat_stage0(out, stage):
+def test_hybrid_mixed_precision_equals_flat_stage0(res, stage):
     """param_dtype=float16 sharded inside op groups of 2 (fp16 gathers and reductions, fp32 master shards)
     equals flat stage 0 with the same policy, within fp16 rounding (test_parity.RTOL_FP16)."""
-    from test_parity import RTOL_FP16
-
     for r in range(N):
-        got = load(out, r, f"mp-h{stage}")
+        got = res.load(r, f"mp-h{stage}")
         assert any(k.endswith("@master") for k in got)
-        assert_same_run(got, load(out, r, "mp-flat0"), f"mp hybrid stage {stage} rank {r}", rtol=RTOL_FP16)
+        assert_same_run(got, res.load(r, "mp-flat0"), f"mp hybrid stage {stage} rank {r}", rtol=RTOL_FP16)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_overflow_on_one_rank_is_skipped_by_both_replicas(out, stage):
+def test_overflow_on_one_rank_is_skipped_by_both_replicas(res, stage):
     """inf in rank 3's input at step 4 (replica 1): all 4 ranks skip, the scale halves, and the run
     equals flat stage 0's."""
     for r in range(N):
-        got = load(out, r, f"overflow-h{stage}")
+        got = res.load(r, f"overflow-h{stage}")
         assert got["overflows"].tolist() == [i == 4 for i in range(10)], (r, got["overflows"])
         assert got["scales"][4] == 2.0 ** 12 and got["scales"][5] == 2.0 ** 11, got["scales"]
-        assert_same_run(got, load(out, r, "overflow-dp0"), f"overflow stage {stage} rank {r}")
+        assert_same_run(got, res.load(r, "overflow-dp0"), f"overflow stage {stage} rank {r}")
 
 
-def test_memory_divides_by_the_op_group(out):
-    mem = json.loads((out / "rank_0" / "memory.json").read_text())
+def test_memory_divides_by_the_op_group(res):
+    mem = res.json(0, "memory.json")
     h3, h0 = mem["mixed-h3"], mem["mixed-h0"]
     assert h3["group_size"] == 2 and h3["replicas"] == 2
     for kind in ("parameters", "optimizer_states"):
@@ -99,17 +109,17 @@ def test_memory_divides_by_the_op_group(out):
         assert h3[kind] <= 0.55 * h0[kind], (kind, h3[kind], h0[kind])  # 1/2 plus padding, not 1/4
 
 
-def test_hybrid_checkpoint_resumes_merges_and_reshards(out, tmp_path):
-    ckpt = out / "ckpt_hybrid"
+def test_hybrid_checkpoint_resumes_merges_and_reshards(res, tmp_path):
+    ckpt = res.out / "ckpt_hybrid"
     infos = [json.loads((ckpt / f"params_split_info_{r}.json").read_text()) for r in range(2)]
     assert [(i["group_size"], i["rank"], i["replicas"], i["replica"]) for i in infos] == [(2, 0, 2, 0), (2, 1, 2, 0)]
     assert not (ckpt / "params_split_info_2.json").exists()  # replica 1 holds the same shards: not written
     for r in range(N):
-        with np.load(out / f"rank_{r}" / "ckpt_state.npz") as f:
+        with np.load(res.out / f"rank_{r}" / "ckpt_state.npz") as f:
             names = [k[len("saved/"):] for k in f.files if k.startswith("saved/")]
             for n in names:  # a fresh hybrid step loaded it exactly, on both replicas
                 np.testing.assert_array_equal(f["loaded/" + n], f["saved/" + n], err_msg=f"rank {r} {n}")
-    with np.load(out / "rank_0" / "ckpt_state.npz") as f:
+    with np.load(res.out / "rank_0" / "ckpt_state.npz") as f:
         saved = {k[len("saved/"):]: f[k] for k in f.files if k.startswith("saved/")}
     merged = tmp_path / "merged.ckpt"
     merge_checkpoint(ckpt, merged, log=None)
@@ -128,18 +138,18 @@ def test_hybrid_checkpoint_resumes_merges_and_reshards(out, tmp_path):
             assert rel_err(again.read(n), v) == 0, (src.name, n)
 
 
-def test_hybrid_checkpoint_loads_straight_into_another_layout(out, tmp_path):
+def test_hybrid_checkpoint_loads_straight_into_another_layout(res, tmp_path):
     """load_checkpoint of the hybrid (2-way sharded, 2 replicas) checkpoint by a plain 4-way stage-1 train
     step: its parameters, and (saved again and merged with the optimizer) its whole state, equal the
     hybrid run's; the same as the offline reshard to 4 ranks at stage 1."""
     for r in range(N):
-        with np.load(out / f"rank_{r}" / "ckpt_state.npz") as f:
+        with np.load(res.out / f"rank_{r}" / "ckpt_state.npz") as f:
             for n in (k[len("saved/"):] for k in f.files if k.startswith("saved/")):
                 np.testing.assert_array_equal(f["plain/" + n], f["saved/" + n], err_msg=f"rank {r} {n}")
-    ck = out / "ckpt_hybrid_into_plain"
+    ck = res.out / "ckpt_hybrid_into_plain"
     assert json.loads((ck / "params_split_info_3.json").read_text())["group_size"] == 4
-    reshard_checkpoint(out / "ckpt_hybrid", tmp_path / "offline", world_size=4, stage=1, log=None)
-    for src, name in ((out / "ckpt_hybrid", "hybrid"), (ck, "direct"), (tmp_path / "offline", "offline")):
+    reshard_checkpoint(res.out / "ckpt_hybrid", tmp_path / "offline", world_size=4, stage=1, log=None)
+    for src, name in ((res.out / "ckpt_hybrid", "hybrid"), (ck, "direct"), (tmp_path / "offline", "offline")):
         merge_checkpoint(src, tmp_path / f"{name}.ckpt", with_optimizer=True, log=None)
     ref = open_reader(tmp_path / "hybrid.ckpt")
     for name in ("direct", "offline"):
@@ -149,9 +159,9 @@ def test_hybrid_checkpoint_loads_straight_into_another_layout(out, tmp_path):
             np.testing.assert_array_equal(got.read(n), ref.read(n), err_msg=f"{name} {n}")
 
 
-def test_layout_errors_are_clear_on_every_rank(out):
+def test_layout_errors_are_clear_on_every_rank(res):
     for r in range(N):
-        m = json.loads((out / f"rank_{r}" / "layout_errors.json").read_text())
+        m = res.json(r, "layout_errors.json")
         assert "optimizer_parallel_group='mindzero_op2_0' is a sub-group, so dp_group must name" in m["no_dp_group"] \
             and "dp_group=None" in m["no_dp_group"], m["no_dp_group"]
         assert f"rank {r}: " in m["overlapping"] and "rank 1 is in two groups" in m["overlapping"] \
@@ -162,7 +172,7 @@ def test_layout_errors_are_clear_on_every_rank(out):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_gpu_ascend_hybrid_path_equals_plain_data_parallel(out, stage, fused):
+def test_gpu_ascend_hybrid_path_equals_plain_data_parallel(res, stage, fused):
     """The GPU/Ascend hybrid path executed on CPU (``mindzero.comm.substitute_collectives``: the train step
     builds exactly what it builds on GPU/Ascend: a ``ReduceScatter`` over the op group (fused: the row layout),
     then an ``AllReduce`` of the shard over the dp group, op-group all-gathers and norm sums; only the
@@ -172,6 +182,6 @@ def test_gpu_ascend_hybrid_path_equals_plain_data_parallel(out, stage, fused):
     own order too); the suite's bar of 1e-5 relative holds (measured: 6.0e-6 after 10 steps)."""
     name = f"real-{'fused-' if fused else ''}h{stage}"
     for r in range(N):
-        got = load(out, r, name)
+        got = res.load(r, name)
         assert not got["emulated"], "the scenario did not take the GPU/Ascend path"
-        assert_same_run(got, load(out, r, "clip-dp0"), f"{name} rank {r}")
+        assert_same_run(got, res.load(r, "clip-dp0"), f"{name} rank {r}")

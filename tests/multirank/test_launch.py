@@ -7,14 +7,15 @@ not by "it started".
 """
 import shutil
 import time
-from pathlib import Path
 
 import pytest
 
 from mindzero.launch.local import launch
-from test_parity import assert_same_run, load, test_collectives, test_plan_mismatch_fails_on_every_rank  # noqa: F401
+from tests.support.compare import Results, assert_parity_checks, assert_same_run
+from tests.support.scenarios import parity_scenarios
 
-HERE = Path(__file__).resolve().parent
+from . import WORKERS
+
 # MindSpore's scheduler declares a silent node dead after MS_NODE_TIMEOUT s (default 30); with 10
 # the whole job must be over well within DEATH_BOUND s of the death (launch and compile included)
 NODE_TIMEOUT = 10
@@ -29,16 +30,20 @@ def run(request, tmp_path_factory):
     if lay["launcher"] == "mpirun" and shutil.which("mpirun") is None:
         pytest.fail("mpirun not found: scripts/setup_env.sh installs Debian's openmpi-bin")
     out = tmp_path_factory.mktemp(request.param)
-    launch(HERE / "worker_parity.py", lay["n"], out, ["--only", "mixed"], timeout=900, nodes=lay["nodes"],
+    launch(WORKERS / "worker_parity.py", lay["n"], out, ["--only", "mixed"], timeout=900, nodes=lay["nodes"],
            launcher=lay["launcher"])
-    return lay["n"], out
+    return lay["n"], Results(out, [s.name for s in parity_scenarios(lay["n"]) if s.name.startswith("mixed")])
+
+
+def test_collectives_and_plan_mismatch(run):
+    assert_parity_checks(run[1], run[0])
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_training_equals_plain_data_parallel(run, stage):
-    n, out = run
+    n, res = run
     for r in range(n):
-        assert_same_run(load(out, r, f"mixed-{stage}"), load(out, r, "mixed-dp"), f"stage {stage} rank {r}")
+        assert_same_run(res.load(r, f"mixed-{stage}"), res.load(r, "mixed-dp"), f"stage {stage} rank {r}")
 
 
 @pytest.mark.parametrize("launcher,nodes,n,victim,mode", [
@@ -51,7 +56,7 @@ def test_dead_rank_ends_the_job_naming_it(tmp_path, launcher, nodes, n, victim, 
         pytest.fail("mpirun not found: scripts/setup_env.sh installs Debian's openmpi-bin")
     start = time.time()
     with pytest.raises(AssertionError) as err:
-        launch(HERE / "worker_fail.py", n, tmp_path, ["--mode", mode, "--victim", victim], timeout=600,
+        launch(WORKERS / "worker_fail.py", n, tmp_path, ["--mode", mode, "--victim", victim], timeout=600,
                nodes=nodes, launcher=launcher, env={"MS_NODE_TIMEOUT": str(NODE_TIMEOUT)})
     took = time.time() - start
     text = str(err.value)

@@ -1,12 +1,11 @@
 """The launcher never waits forever, and a failing rank fails the launch with that rank's log."""
 import time
-from pathlib import Path
 
 import pytest
 
 from mindzero.launch.local import free_port, msrun
 
-HERE = Path(__file__).resolve().parent
+from . import WORKERS
 
 
 def test_free_ports_differ():
@@ -15,7 +14,7 @@ def test_free_ports_differ():
 
 def test_failing_rank_shows_its_log(tmp_path):
     with pytest.raises(AssertionError) as err:
-        msrun(HERE / "worker_fail.py", 2, tmp_path, ["--mode", "raise"], timeout=300)
+        msrun(WORKERS / "worker_fail.py", 2, tmp_path, ["--mode", "raise"], timeout=300)
     text = str(err.value)
     assert "rank 1 failed first (exit status 1)" in text and "log tail of rank 1" in text, text
     assert "deliberate failure on rank 1" in text, text
@@ -26,7 +25,7 @@ def test_hanging_rank_is_killed_at_the_timeout(tmp_path):
 
     start = time.time()
     with pytest.raises(AssertionError, match=r"timed out after 30s; ranks without results: \[0, 1\]"):
-        msrun(HERE / "worker_fail.py", 2, tmp_path, ["--mode", "hang"], timeout=30)
+        msrun(WORKERS / "worker_fail.py", 2, tmp_path, ["--mode", "hang"], timeout=30)
     assert time.time() - start < 90
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert left == [], f"processes left behind: {left}"

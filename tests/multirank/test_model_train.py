@@ -3,27 +3,25 @@
 interrupted ``Model.train`` restarted through ``mindzero.ZeroCheckpoint`` (settings from a config file)
 equals the uninterrupted run exactly."""
 import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from mindzero.launch.local import msrun, rank_output
+from tests.support.compare import load_npz
 
-HERE = Path(__file__).resolve().parent
+from . import WORKERS
 N, STAGES, STEPS = 2, (0, 3), 30
 
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     out = tmp_path_factory.mktemp("model_train")
-    msrun(HERE / "worker_model.py", N, out, ["--out", out, "--stages", ",".join(map(str, STAGES))], timeout=900)
+    msrun(WORKERS / "worker_model.py", N, out, ["--stages", ",".join(map(str, STAGES))], timeout=900)
     return out
 
 
 def load(out, rank, stage):
-    with np.load(out / f"rank_{rank}" / f"stage{stage}.npz") as f:
-        arrays = {k: f[k] for k in f.files}
+    arrays = load_npz(out / f"rank_{rank}" / f"stage{stage}.npz")
     return arrays, json.loads((out / f"rank_{rank}" / f"stage{stage}.json").read_text())
 
 

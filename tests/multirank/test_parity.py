@@ -6,20 +6,19 @@ own ``nn.TrainOneStepCell`` (plain data parallel); stages 1-3 with stage 0 on th
 same seeds and data: per-step losses and final full parameters within 1e-5
 relative (fp32).
 """
-import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mindzero.launch.local import msrun
+from tests.support.compare import (ON_CPU, RTOL, RTOL_FP16, RTOL_FP16_ACCUM, RTOL_FP16_VS_FP32, Results,
+                                   assert_parity_checks, assert_same_run, rel_err)
+from tests.support.scenarios import parity_scenarios
 
-HERE = Path(__file__).resolve().parent
-RTOL = 1e-5
-# scripts/verify_accelerator.sh runs these tests on GPU/Ascend: there every scenario takes the real path
-ON_CPU = os.environ.get("MINDZERO_DEVICE", "CPU") == "CPU"
+from . import WORKERS
+
 MODELS = ["mixed", "awkward", "gpt", "resnet"]
+REDUCED = "4 ranks run a reduced matrix for the suite's time (tests.support.scenarios.parity_scenarios); 2 ranks run it"
 
 
 # 4 ranks: the full tier (tests/conftest.py; the default suite keeps 4 ranks in test_launch's 2-node launch,
@@ -27,54 +26,21 @@ MODELS = ["mixed", "awkward", "gpt", "resnet"]
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.full)], ids=["2ranks", "4ranks"])
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"parity{request.param}")
-    msrun(HERE / "worker_parity.py", request.param, out, timeout=1800)
-    return request.param, out
+    msrun(WORKERS / "worker_parity.py", request.param, out, timeout=1800)
+    ran = [s.name for s in parity_scenarios(request.param)]
+    return request.param, Results(out, ran, [s.name for s in parity_scenarios(2)], REDUCED)
 
 
-def load(out, rank, name):
-    """A scenario's results; a scenario worker_parity did not run (the reduced 4-rank matrix) skips the test
-    (other workers, e.g. worker_hybrid, write no scenario list)."""
-    listed = out / f"rank_{rank}" / "scenarios.json"
-    if listed.exists() and name not in json.loads(listed.read_text()):
-        pytest.skip(f"{name} is not in this launch's matrix (worker_parity.scenarios: 4 ranks run a reduced one "
-                    "for the suite's time; 2 ranks run it)")
-    with np.load(out / f"rank_{rank}" / f"{name}.npz") as f:
-        return {k: f[k] for k in f.files}
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)) if b.size else 0.0
-
-
-def assert_same_run(got, ref, what, rtol=RTOL):
-    assert len(got["losses"]) == len(ref["losses"]) >= 10, what
-    assert np.all(np.isfinite(ref["losses"])) or "overflow" in what
-    finite = np.isfinite(ref["losses"])
-    err = rel_err(got["losses"][finite], ref["losses"][finite])
-    assert err <= rtol, f"{what}: losses differ by {err:.2e} relative\n{got['losses']}\n{ref['losses']}"
-    names = sorted(k for k in ref if k.startswith("param/") and not k.endswith("@init"))
-    assert names == sorted(k for k in got if k.startswith("param/") and not k.endswith("@init")), \
-        f"{what}: parameter names differ"
-    for k in names:
-        assert got[k].shape == ref[k].shape, f"{what}: {k} shape {got[k].shape} != {ref[k].shape}"
-        err = rel_err(got[k], ref[k])
-        assert err <= rtol, f"{what}: {k} differs by {err:.2e} relative"
-
-
-def test_collectives(run):
-    n, out = run
-    for r in range(n):
-        c = json.loads((out / f"rank_{r}" / "collectives.json").read_text())
-        assert c == dict(reduce_scatter_ok=True, all_gather_ok=True, any_rank_last=True, any_rank_none=False), (r, c)
+def test_collectives_and_plan_mismatch(run):
+    assert_parity_checks(run[1], run[0])
 
 
 def test_collectives_per_step_match_the_plan(run):
     """PyNative, one optimizer step of 2 micro-steps: the collectives really called (counted at the primitive)
     equal ``zero_info.calls`` (the verbose log's numbers), per kind, in calls and bytes."""
-    n, out = run
+    n, res = run
     for r in range(n):
-        counts = json.loads((out / f"rank_{r}" / "collective_counts.json").read_text())
+        counts = res.json(r, "collective_counts.json")
         assert len(counts) == (12 if n == 2 else 8)  # param_dtype=float16 at 2 ranks
         for key, c in counts.items():
             assert c["counted"] == c["plan"], (r, key, c)
@@ -84,8 +50,8 @@ def test_collectives_per_step_match_the_plan(run):
 def test_fusion_cuts_collectives_per_step(run):
     """comm_fusion with a bucket larger than the model: stages 0-2 issue one collective per kind instead of
     one per tensor (the flag and clip-norm all-reduces stay); the bytes do not change."""
-    n, out = run
-    counts = json.loads((out / "rank_0" / "collective_counts.json").read_text())
+    n, res = run
+    counts = res.json(0, "collective_counts.json")
     for stage in (0, 1, 2):
         plain, fused = counts[f"{stage}-plain"]["counted"], counts[f"{stage}-fused"]["counted"]
         for op in plain:
@@ -103,27 +69,27 @@ def test_fused_equals_unfused(run, stage):
     2 ranks (so every offset and split of the buckets is right); at 4 ranks MindSpore's CPU all-reduce adds
     the 4 contributions of an element in an order that depends on where the element sits in the buffer, and
     10 steps of Adam on the fp16 cell amplify that rounding to 1.8e-5 (measured), hence 5e-5 there."""
-    n, out = run
+    n, res = run
     for r in range(n):
-        got, ref = load(out, r, f"fused-{stage}"), load(out, r, f"clip-{stage}")
+        got, ref = res.load(r, f"fused-{stage}"), res.load(r, f"clip-{stage}")
         assert_same_run(got, ref, f"fused-{stage} rank {r}", rtol=0.0 if n == 2 else 5e-5)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_ema_equals_stage0_and_is_sharded_at_stage3(run, stage):
     """The EMA (gathered full, ``@ema``) of every stage equals stage 0's; at stage 3 a rank holds 1/N of it."""
-    n, out = run
+    n, res = run
     for r in range(n):
-        got, ref = load(out, r, f"ema-{stage}"), load(out, r, "ema-0")
+        got, ref = res.load(r, f"ema-{stage}"), res.load(r, "ema-0")
         assert_same_run(got, ref, f"ema-{stage} rank {r}")
         emas = [k for k in ref if k.endswith("@ema")]
         assert emas
         for k in emas:
             assert rel_err(got[k], ref[k]) <= RTOL, k
-        init = load(out, r, "mixed-dp")
+        init = res.load(r, "mixed-dp")
         moved = [k for k in emas if not np.array_equal(ref[k], init[k[:-len("@ema")] + "@init"])]
         assert moved, "the EMA moved away from the initial parameters"
-    memory = json.loads((out / "rank_0" / "memory.json").read_text())
+    memory = res.json(0, "memory.json")
     mem, mem0 = memory[f"ema-{stage}"], memory["ema-0"]
     assert mem["ema"] == mem["expected"]["ema"]
     if stage == 3:
@@ -134,54 +100,46 @@ def test_ema_equals_stage0_and_is_sharded_at_stage3(run, stage):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_optimizer_offload_equals_on_device(run, stage):
-    n, out = run
+    n, res = run
     for r in range(n):
-        assert_same_run(load(out, r, f"offload-{stage}"), load(out, r, f"mixed-{stage}"), f"offload-{stage} rank {r}")
-
-
-def test_plan_mismatch_fails_on_every_rank(run):
-    n, out = run
-    for r in range(n):
-        message = (out / f"rank_{r}" / "plan_mismatch.txt").read_text()
-        assert f"rank {r}: the networks differ across ranks at parameter #" in message, (r, message)
-        assert "'proj' (15, " in message and f"rank {n - 1} differs from rank 0" in message, (r, message)
+        assert_same_run(res.load(r, f"offload-{stage}"), res.load(r, f"mixed-{stage}"), f"offload-{stage} rank {r}")
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_stage0_equals_plain_data_parallel(run, model):
-    n, out = run
+    n, res = run
     for r in range(n):
-        assert_same_run(load(out, r, f"{model}-0"), load(out, r, f"{model}-dp"), f"{model} stage 0 vs DP rank {r}")
+        assert_same_run(res.load(r, f"{model}-0"), res.load(r, f"{model}-dp"), f"{model} stage 0 vs DP rank {r}")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("model", MODELS)
 def test_stage_equals_stage0(run, model, stage):
-    n, out = run
+    n, res = run
     for r in range(n):
-        assert_same_run(load(out, r, f"{model}-{stage}"), load(out, r, f"{model}-0"), f"{model} stage {stage} rank {r}")
+        assert_same_run(res.load(r, f"{model}-{stage}"), res.load(r, f"{model}-0"), f"{model} stage {stage} rank {r}")
 
 
 def test_training_moves(run):
     """Guard against a vacuous parity: every trainable parameter moved from its initial value,
     and the models with smooth targets lower their loss."""
-    n, out = run
+    n, res = run
     for model in MODELS:
-        ref = load(out, 0, f"{model}-dp")
+        ref = res.load(0, f"{model}-dp")
         inits = [k for k in ref if k.endswith("@init")]
         assert inits, model
         for k in inits:
             assert rel_err(ref[k[:-len("@init")]], ref[k]) > 1e-4, f"{model}: {k} did not move"
     for model in ("mixed", "gpt"):
-        losses = load(out, 0, f"{model}-dp")["losses"]
+        losses = res.load(0, f"{model}-dp")["losses"]
         assert losses[-4:].mean() < losses[:4].mean(), (model, losses)
 
 
 def test_parameters_identical_across_ranks(run):
-    n, out = run
+    n, res = run
     for model in MODELS:
         for stage in (1, 2, 3):
-            a, b = load(out, 0, f"{model}-{stage}"), load(out, n - 1, f"{model}-{stage}")
+            a, b = res.load(0, f"{model}-{stage}"), res.load(n - 1, f"{model}-{stage}")
             for k in a:
                 if k.startswith("param/") and "moving_" not in k:  # BN statistics are per rank, as in DP
                     np.testing.assert_array_equal(a[k], b[k], err_msg=f"{model} stage {stage} {k}")
@@ -189,19 +147,19 @@ def test_parameters_identical_across_ranks(run):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_clip_grad_global_norm(run, stage):
-    n, out = run
+    n, res = run
     for r in range(n):
-        assert_same_run(load(out, r, f"clip-{stage}"), load(out, r, "clip-0"), f"clip stage {stage} rank {r}")
+        assert_same_run(res.load(r, f"clip-{stage}"), res.load(r, "clip-0"), f"clip stage {stage} rank {r}")
     # clipping is active: the clipped run differs from the unclipped one
-    assert rel_err(load(out, 0, "clip-0")["param/inp.weight"], load(out, 0, "mixed-0")["param/inp.weight"]) > 1e-3
+    assert rel_err(res.load(0, "clip-0")["param/inp.weight"], res.load(0, "mixed-0")["param/inp.weight"]) > 1e-3
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gradient_accumulation(run, stage):
     """K=4 micro-batches of 2 equal plain DP on the concatenated batch of 8 (and stage 0 with K=4)."""
-    n, out = run
+    n, res = run
     for r in range(n):
-        got, dp = load(out, r, f"accum-{stage}"), load(out, r, "accum-dp")
+        got, dp = res.load(r, f"accum-{stage}"), res.load(r, "accum-dp")
         micro_means = got["losses"].reshape(-1, 4).mean(axis=1)
         assert rel_err(micro_means, dp["losses"]) <= RTOL, (micro_means, dp["losses"])
         for k in (k for k in dp if k.startswith("param/") and not k.endswith("@init")):
@@ -213,22 +171,22 @@ def test_gradient_accumulation(run, stage):
 def test_forced_overflow_is_skipped_by_all_ranks(run, stage):
     """Step 4 has inf in the last rank's input only: every rank reports overflow, skips the update,
     and the dynamic loss scale halves; the run then equals stage 0's."""
-    n, out = run
+    n, res = run
     for r in range(n):
-        got = load(out, r, f"overflow-{stage}")
+        got = res.load(r, f"overflow-{stage}")
         assert got["overflows"].tolist() == [i == 4 for i in range(10)], (r, got["overflows"])
         assert got["scales"][4] == 2.0 ** 12 and got["scales"][5] == 2.0 ** 11, got["scales"]
-        assert_same_run(got, load(out, r, "overflow-0"), f"overflow stage {stage} rank {r}")
+        assert_same_run(got, res.load(r, "overflow-0"), f"overflow stage {stage} rank {r}")
     # the skipped update leaves the run where a run without that step's update would be:
-    ref, plain = load(out, 0, "overflow-0"), load(out, 0, "mixed-0")
+    ref, plain = res.load(0, "overflow-0"), res.load(0, "mixed-0")
     np.testing.assert_allclose(ref["losses"][:4], plain["losses"][:4], rtol=RTOL)
 
 
-def _padding_and_replicated(out, scenario, n, replicated=()):
+def _padding_and_replicated(res, scenario, n, replicated=()):
     """Total padding elements and replicated elements (fp32 models), from the shapes of a stage-0 run."""
     from mindzero.core.plan import shard_size_for
 
-    ref = load(out, 0, scenario)
+    ref = res.load(0, scenario)
     pad = repl = 0
     for k, v in ref.items():
         if not k.startswith("param/") or k.endswith("@init"):
@@ -245,14 +203,14 @@ def test_memory_report(run, stage):
     """Bytes each rank holds: optimizer moments are 1/N of stage 0's plus padding (and the replicated
     bias kept whole); accumulation buffers from stage 2 and parameters at stage 3 likewise; and the
     plan's expectation equals what is allocated."""
-    n, out = run
+    n, res = run
     for r in range(n):
-        mem = json.loads((out / f"rank_{r}" / "memory.json").read_text())
+        mem = res.json(r, "memory.json")
         for name, rep in mem.items():
             for key in ("parameters", "gradients", "optimizer_states", "optimizer_moments", "master_shards"):
                 assert rep[key] == rep["expected"][key], (r, name, key, rep[key], rep["expected"][key])
         # mixed: AdamWeightDecay (2 states), bias of `out` replicated; no accumulation
-        pad, repl = _padding_and_replicated(out, "mixed-0", n, replicated={"out.bias"})
+        pad, repl = _padding_and_replicated(res, "mixed-0", n, replicated={"out.bias"})
         m0, mk = mem["mixed-0"], mem[f"mixed-{stage}"]
         assert m0["gradients"] == mk["gradients"] == 0
         assert mk["optimizer_moments"] * n == m0["optimizer_moments"] + 2 * 4 * (pad + (n - 1) * repl)
@@ -263,7 +221,7 @@ def test_memory_report(run, stage):
             assert mk["parameters"] == m0["parameters"]
             assert mk["master_shards"] * n == m0["parameters"] - 4 * repl + 4 * pad
         # accum: Adam (2 states), K=4, nothing replicated
-        pad, _ = _padding_and_replicated(out, "accum-0", n)
+        pad, _ = _padding_and_replicated(res, "accum-0", n)
         a0, ak = mem["accum-0"], mem[f"accum-{stage}"]
         assert a0["gradients"] == a0["parameters"] > 0
         assert ak["optimizer_moments"] * n == a0["optimizer_moments"] + 2 * 4 * pad
@@ -278,12 +236,12 @@ def test_measured_memory_agrees_with_estimate(run, name, accum):
     """memory_report (bytes of the tensors each rank holds) vs estimate_memory before any run, on the
     awkward-shapes net ((7, 15), (17, 257), (1,), scalar: nothing divides evenly): within 1%."""
     from mindzero import estimate_memory
-    from models import build
+    from tests.support.models import build
 
-    n, out = run
+    n, res = run
     net = build("awkward")
     for r in range(n):
-        mem = json.loads((out / f"rank_{r}" / "memory.json").read_text())
+        mem = res.json(r, "memory.json")
         for stage in (1, 2, 3) if accum else (0, 1, 2, 3):
             got, est = mem[f"{name}-{stage}"], estimate_memory(net, stage, n, "adam", gradient_accumulation=accum)
             for kind in ("parameters", "gradients", "optimizer_states"):
@@ -294,9 +252,6 @@ def test_measured_memory_agrees_with_estimate(run, name, accum):
 # 11-bit significand: one unit in the last place is 2^-10 = 9.8e-4 relative. Stages add fp16 values in a
 # different order where the data flow differs (a tied weight's two gradients summed before or after the
 # reduction; accumulation before or after it), so parity is held to fp16 rounding, not to fp32's 1e-5.
-RTOL_FP16 = 1e-3  # measured (2 / 4 ranks): exact, except the tied embedding at stage 3: 5.2e-4 / 3.8e-4
-RTOL_FP16_ACCUM = 1e-2  # measured (K=4, fp16 buffers): 3.1e-3 / 5.6e-3 at stages 2-3 (reduce, then accumulate)
-RTOL_FP16_VS_FP32 = 2e-2  # the losses of fp16 vs fp32 training, 20 steps; measured 8.2e-3 / 4.4e-3
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -305,9 +260,9 @@ def test_mixed_precision_stage_equals_stage0(run, model, stage):
     """fp16 parameters and fp32 masters: stages 1-3 equal stage 0 of the same policy (losses, fp16 parameters
     and fp32 masters, ``@master``), including a forced fp16 overflow skipped by all ranks (mixed). At 4 ranks
     stage 3 only (suite time; stages 1-2 at 4 ranks: mp-accum)."""
-    n, out = run
+    n, res = run
     for r in range(n):
-        got, ref = load(out, r, f"mp-{model}-{stage}"), load(out, r, f"mp-{model}-0")
+        got, ref = res.load(r, f"mp-{model}-{stage}"), res.load(r, f"mp-{model}-0")
         assert_same_run(got, ref, f"mp-{model} (forced overflow) stage {stage} rank {r}", rtol=RTOL_FP16)
         assert got["overflows"].tolist() == ref["overflows"].tolist()
         masters = [k for k in ref if k.endswith("@master")]
@@ -325,20 +280,20 @@ def test_mixed_precision_stage_equals_stage0(run, model, stage):
 def test_mixed_precision_variants(run, name, ref):
     """2 ranks: ``optimizer_offload=True`` equals the update on the device; ``reduce_dtype=float32`` at stage 3
     (reduce-scatter of fp32 gradients from the fp16 gather's backward) equals stage 0 (fp32 all-reduce)."""
-    n, out = run
+    n, res = run
     if n == 4:
         pytest.skip("run at 2 ranks only (suite time)")
     for r in range(n):
-        assert_same_run(load(out, r, name), load(out, r, ref), f"{name} (forced overflow) rank {r}", rtol=RTOL_FP16)
+        assert_same_run(res.load(r, name), res.load(r, ref), f"{name} (forced overflow) rank {r}", rtol=RTOL_FP16)
 
 
 def test_mixed_precision_tracks_fp32_training(run):
     """Stage 0 with param_dtype=float16 follows the fp32 run of the same network over 20 steps (2 ranks)."""
-    n, out = run
+    n, res = run
     if n == 4:
         pytest.skip("run at 2 ranks only (suite time)")
     for r in range(n):
-        mp, fp32 = load(out, r, "mp-long-0"), load(out, r, "fp32-long-0")
+        mp, fp32 = res.load(r, "mp-long-0"), res.load(r, "fp32-long-0")
         assert len(mp["losses"]) == 20
         finite = np.isfinite(fp32["losses"])
         err = np.abs(mp["losses"][finite] - fp32["losses"][finite]) / np.abs(fp32["losses"][finite])
@@ -348,9 +303,9 @@ def test_mixed_precision_tracks_fp32_training(run):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_mixed_precision_with_accumulation_clip_and_ema(run, stage):
-    n, out = run
+    n, res = run
     for r in range(n):
-        got, ref = load(out, r, f"mp-accum-{stage}"), load(out, r, "mp-accum-0")
+        got, ref = res.load(r, f"mp-accum-{stage}"), res.load(r, "mp-accum-0")
         assert_same_run(got, ref, f"mp-accum stage {stage} rank {r}", rtol=RTOL_FP16_ACCUM)
         emas = [k for k in ref if k.endswith("@ema")]
         assert emas and all(ref[k].dtype == np.float32 for k in emas)
@@ -364,12 +319,12 @@ def test_mixed_precision_memory_is_the_paper_formula(run, stage):
 
     from mindzero.core.plan import shard_size_for
 
-    n, out = run
-    sizes = [v.size for k, v in load(out, 0, "mp-accum-0").items() if k.startswith("param/") and "@" not in k]
+    n, res = run
+    sizes = [v.size for k, v in res.load(0, "mp-accum-0").items() if k.startswith("param/") and "@" not in k]
     phi, pad = sum(sizes), sum(shard_size_for(size, n) * n - size for size in sizes)
     formula = paper_formula(phi, stage, n, mixed_precision=True)
     for r in range(n):
-        mem = json.loads((out / f"rank_{r}" / "memory.json").read_text())[f"mp-accum-{stage}"]
+        mem = res.json(r, "memory.json")[f"mp-accum-{stage}"]
         for kind in ("parameters", "gradients", "optimizer_states"):
             assert mem[kind] == mem["expected"][kind], (r, kind)
             # padding: at most `pad` elements per sharded kind, 2 bytes (fp16) or 12 (masters + 2 moments)
@@ -380,10 +335,10 @@ def test_mixed_precision_memory_is_the_paper_formula(run, stage):
 def test_mixed_precision_halves_collective_bytes(run):
     """Counted at the primitive (PyNative, K=2, clip): with param_dtype=float16 every gradient reduction and
     every parameter all-gather moves half the bytes of fp32; the 4-byte overflow flag and clip norm stay."""
-    n, out = run
+    n, res = run
     if n == 4:
         pytest.skip("counted at 2 ranks only (suite time)")
-    counts = json.loads((out / "rank_0" / "collective_counts.json").read_text())
+    counts = res.json(0, "collective_counts.json")
     for stage in (0, 1, 2, 3):
         fp32, fp16 = counts[f"{stage}-plain"]["counted"], counts[f"{stage}-plain-fp16"]["counted"]
         assert fp16 == counts[f"{stage}-plain-fp16"]["plan"]
@@ -401,11 +356,11 @@ def test_gpu_ascend_path_equals_the_cpu_path(run, name, ref):
     the primitives CPU lacks replaced by CPU-legal functions of the same semantics
     (``mindzero.comm.substitute_collectives``), equals the CPU path, itself equal to plain data parallel, to
     the bit: with 2 ranks every sum has two terms, so no summation order can differ."""
-    n, out = run
+    n, res = run
     if n == 4:
         pytest.skip("run at 2 ranks (4 ranks: hybrid 2x2 in test_hybrid.py)")
     for r in range(n):
-        got, base = load(out, r, name), load(out, r, ref)
+        got, base = res.load(r, name), res.load(r, ref)
         assert not got["emulated"] and base["emulated"] == ON_CPU, "the scenario did not take the path it names"
         forced = " (forced overflow)" if name == "real-mp-3" else ""  # step 4 has inf in the last rank's input
         assert_same_run(got, base, f"{name} vs {ref}{forced} rank {r}", rtol=0.0)
@@ -415,11 +370,11 @@ def test_gpu_ascend_path_equals_the_cpu_path(run, name, ref):
 def test_gpu_ascend_path_accumulation_equals_plain_data_parallel(run):
     """2 ranks, the GPU/Ascend path, stage 2 with K=4 (sharded buffers fed by the real reduce-scatter of each
     micro-step) equals plain DP on the concatenated batch of 8, and the CPU path bit for bit."""
-    n, out = run
+    n, res = run
     if n == 4:
         pytest.skip("run at 2 ranks")
     for r in range(n):
-        got, cpu, dp = load(out, r, "real-accum-2"), load(out, r, "accum-2"), load(out, r, "accum-dp")
+        got, cpu, dp = res.load(r, "real-accum-2"), res.load(r, "accum-2"), res.load(r, "accum-dp")
         assert not got["emulated"]
         assert rel_err(got["losses"].reshape(-1, 4).mean(axis=1), dp["losses"]) <= RTOL
         assert_same_run(got, cpu, f"real-accum-2 vs accum-2 rank {r}", rtol=0.0)

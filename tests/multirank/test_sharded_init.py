@@ -5,14 +5,13 @@ One msrun launch per world size (``worker_init.py``). A network built lazily mus
 identically; no rank may hold more than its shards plus one full tensor while building and preparing.
 """
 import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from mindzero.launch.local import msrun
+from tests.support.compare import load_npz
 
-HERE = Path(__file__).resolve().parent
+from . import WORKERS
 MARGIN_MIB = 64  # framework allocations during prepare (the plan check compiles a small graph)
 
 
@@ -26,14 +25,13 @@ STAGES_AT = {2: (0, 1, 2, 3), 4: (1, 3)}
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.full)], ids=["2ranks", "4ranks"])
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"init{request.param}")
-    msrun(HERE / "worker_init.py", request.param, out, ["--stages", ",".join(map(str, STAGES_AT[request.param]))],
+    msrun(WORKERS / "worker_init.py", request.param, out, ["--stages", ",".join(map(str, STAGES_AT[request.param]))],
           timeout=1500)
     return request.param, out
 
 
 def load(out, rank, name):
-    with np.load(out / f"rank_{rank}" / f"{name}.npz") as f:
-        return {k: f[k] for k in f.files}
+    return load_npz(out / f"rank_{rank}" / f"{name}.npz")
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

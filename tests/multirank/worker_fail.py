@@ -5,20 +5,18 @@ import argparse
 import os
 import signal
 import time
-from pathlib import Path
 
 import numpy as np
 from mindspore import Tensor, ops
 from mindspore.communication import get_group_size, get_rank
 
-import mindzero
+from tests.support.worker import start
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--out", required=True)
 ap.add_argument("--mode", choices=("raise", "kill", "hang"), required=True)
 ap.add_argument("--victim", type=int, default=-1)
-args = ap.parse_args()
-mindzero.start_data_parallel()
+worker = start(ap)
+args = worker.args
 allreduce = ops.AllReduce()
 x = Tensor(np.ones(4, np.float32))
 allreduce(x).asnumpy()
@@ -29,4 +27,4 @@ if get_rank() == args.victim % get_group_size():
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(3600)
 allreduce(x).asnumpy()  # the survivors wait here for the victim
-(Path(args.out) / f"rank_{get_rank()}.done").write_text("ok")
+worker.finish()

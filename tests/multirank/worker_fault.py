@@ -18,21 +18,18 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from mindspore import Tensor, nn
 
 import mindzero
 import mindzero.checkpoint.save as zc
 from mindzero.checkpoint.live import _Barrier
-from models import build
-
-
-def batch(cls, step, rank):
-    return [Tensor(a) for a in cls.batch(np.random.RandomState(100 * step + rank + 1))]
+from tests.support.data import batch
+from tests.support.models import build, make_optimizer
+from tests.support.worker import start
 
 
 def make():
     net = build("awkward")
-    return net, mindzero.prepare_train_network(net, nn.Adam(net.trainable_params(), 1e-2), zero_stage=3)
+    return net, mindzero.prepare_train_network(net, make_optimizer("adam", net), zero_stage=3)
 
 
 def step(train, cls, s, world):
@@ -78,15 +75,12 @@ class FileSizeLimit:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
     ap.add_argument("--root", required=True, help="the checkpoint root")
     ap.add_argument("--phase", choices=("kill", "resume"), required=True)
     ap.add_argument("--damaged", default="[]", help="JSON list of checkpoint directories load must refuse")
-    args = ap.parse_args()
-    world = mindzero.start_data_parallel()
+    worker = start(ap)
+    args, world, out_dir = worker.args, worker.world, worker.rank_dir
     root = Path(args.root)
-    out_dir = Path(args.out) / f"rank_{world.world_rank}"
-    out_dir.mkdir(parents=True, exist_ok=True)
     net, train = make()
     cls = type(net)
     arrays, report = {}, {}
@@ -135,7 +129,7 @@ def main():
     report["async_path"] = str(handle.wait())
     np.savez(out_dir / "resume.npz", **arrays)
     (out_dir / "resume.json").write_text(json.dumps(report, indent=1))
-    (Path(args.out) / f"rank_{world.world_rank}.done").write_text("ok")
+    worker.finish()
     return 0
 
 

@@ -12,8 +12,6 @@ Writes ``<out>/rank_<r>/``:
 import argparse
 import gc
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import mindspore as ms
@@ -21,10 +19,9 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Initializer, Sparse, TruncatedNormal, initializer
 
 import mindzero
+from examples.gpt import GPT, LMLoss
 from mindzero.engine.materialize import is_lazy
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from gpt import GPT, LMLoss  # noqa: E402
+from tests.support.worker import start
 
 STEPS = 3
 
@@ -179,23 +176,20 @@ def seed_mismatch(stage, world):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
     ap.add_argument("--stages", default="0,1,2,3", help="stages of the eager-vs-lazy comparisons")
-    args = ap.parse_args()
-    world = mindzero.start_data_parallel()
-    out_dir = Path(args.out) / f"rank_{world.world_rank}"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    worker = start(ap)
+    world, out_dir = worker.world, worker.rank_dir
     memory = {"lazy-3": peak_growth("wide", 3, True), "lazy-2": peak_growth("wide", 2, True),
               "eager-3": peak_growth("wide", 3, False)}  # lazy first: a fresh process
     (out_dir / "memory.json").write_text(json.dumps(memory, indent=1))
     for model in ("lm", "zoo", "vit"):
-        for stage in (int(s) for s in args.stages.split(",")):
+        for stage in (int(s) for s in worker.args.stages.split(",")):
             for lazy in (False, True):
                 arrays = values_and_training(model, stage, lazy, world)
                 np.savez(out_dir / f"{model}-{stage}-{'lazy' if lazy else 'eager'}.npz", **arrays)
     for stage in (0, 3):
         (out_dir / f"seed_mismatch-{stage}.txt").write_text(seed_mismatch(stage, world))
-    (Path(args.out) / f"rank_{world.world_rank}.done").write_text("ok")
+    worker.finish()
 
 
 if __name__ == "__main__":

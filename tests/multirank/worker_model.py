@@ -19,16 +19,15 @@ and ``stage<s>.json``: the checkpoints left, the epoch ``resume`` returned, the 
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import mindspore as ms
 import mindspore.dataset as ds
-from mindspore import nn
 from mindspore.train import Callback, LossMonitor, Model
 
 import mindzero
-from models import TinyGPT, build
+from tests.support.models import TinyGPT, build, make_optimizer
+from tests.support.worker import start
 
 EPOCHS, SAMPLES, BATCH, CRASH_AT = 3, 40, 2, 14
 
@@ -55,7 +54,7 @@ def dataset(world):
 
 def train_step(stage, config=None):
     net = build("gpt")
-    opt = nn.AdamWeightDecay(net.trainable_params(), 1e-2, weight_decay=0.01)
+    opt = make_optimizer("adamw", net)
     if config is not None:
         return mindzero.prepare_train_network(net, opt, config=config)
     return mindzero.prepare_train_network(net, opt, zero_stage=stage, clip_grad=True,
@@ -133,16 +132,12 @@ def run_stage(stage, world, out_dir):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
     ap.add_argument("--stages", default="0,3")
-    args = ap.parse_args()
-    world = mindzero.start_data_parallel()
+    worker = start(ap)
     ms.set_seed(0)
-    out_dir = Path(args.out) / f"rank_{world.world_rank}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stage in (int(s) for s in args.stages.split(",")):
-        run_stage(stage, world, out_dir)
-    (Path(args.out) / f"rank_{world.world_rank}.done").write_text("ok")
+    for stage in (int(s) for s in worker.args.stages.split(",")):
+        run_stage(stage, worker.world, worker.rank_dir)
+    worker.finish()
 
 
 if __name__ == "__main__":

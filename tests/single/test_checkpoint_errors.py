@@ -6,7 +6,7 @@ from mindspore import Tensor, nn
 
 import mindzero
 from mindzero.checkpoint.live import CheckpointError
-from models import MODELS, build
+from tests.support.models import MODELS, build
 
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")

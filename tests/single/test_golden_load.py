@@ -7,18 +7,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import mindspore as ms
-from mindspore import nn
 
 import mindzero
 from mindzero.checkpoint.tensor_io import open_reader
-from models import build
+from tests.support.models import build, make_optimizer
 
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden"
 CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "case.json").exists())
-OPTIMIZERS = {"adamw": lambda ps: nn.AdamWeightDecay(ps, 1e-2, weight_decay=0.05), "adam": lambda ps: nn.Adam(ps, 1e-2),
-              "momentum": lambda ps: nn.Momentum(ps, 0.05, 0.9), "sgd": lambda ps: nn.SGD(ps, 0.1, momentum=0.9)}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -27,7 +24,7 @@ def test_golden_checkpoint_loads_and_saves_back_the_same_tensors(case, tmp_path)
     with np.load(GOLDEN / case / "expected.npz") as f:
         want = {k: f[k] for k in f.files}
     net = build(meta["model"], seed=9)  # other values: the load must overwrite them
-    opt = OPTIMIZERS[meta["optimizer"]](net.trainable_params())
+    opt = make_optimizer(meta["optimizer"], net)
     if meta["param_dtype"]:
         net = ms.amp.auto_mixed_precision(net, "O2")
     train = mindzero.prepare_train_network(net, opt, zero_stage=meta["stage"], param_dtype=meta["param_dtype"])

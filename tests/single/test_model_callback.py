@@ -10,7 +10,7 @@ from mindspore.train import Model, RunContext
 
 import mindzero
 from mindzero.checkpoint.live import CheckpointError
-from models import MixedNet, build
+from tests.support.models import MixedNet, build
 
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")

@@ -6,22 +6,16 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn
 
 import mindzero
-from models import MODELS, build
+from tests.support.models import DEFAULT_OPTIMIZER, MODELS, build, make_optimizer
 
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
 
-OPTIMIZERS = {
-    "mixed": lambda ps: nn.AdamWeightDecay(ps, 1e-2, weight_decay=0.05),
-    "awkward": lambda ps: nn.Adam(ps, 1e-2),
-    "gpt": lambda ps: nn.SGD(ps, 0.1, momentum=0.9),
-    "resnet": lambda ps: nn.Momentum(ps, 0.05, 0.9),
-}
 
 
 def train(model, stage, steps=4, **options):
     net = build(model)
-    opt = OPTIMIZERS[model](net.trainable_params())
+    opt = make_optimizer(DEFAULT_OPTIMIZER[model], net)
     rng = np.random.RandomState(3)
     if stage == "plain":
         step = nn.TrainOneStepCell(net, opt)
@@ -90,7 +84,7 @@ def test_optimizer_offload_refuses_multi_op_optimizer():
 def _ema_reference(model, decay, updates, steps=4):
     """numpy EMA over a plain run's parameter trajectory (mindone's warm-up formula)."""
     net = build(model)
-    opt = OPTIMIZERS[model](net.trainable_params())
+    opt = make_optimizer(DEFAULT_OPTIMIZER[model], net)
     step = nn.TrainOneStepCell(net, opt)
     step.set_train()
     rng = np.random.RandomState(3)

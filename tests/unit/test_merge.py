@@ -243,22 +243,25 @@ def test_json_from_another_run(tmp_path):
         merge_checkpoint(tmp_path / "ck", tmp_path / "out.ckpt", log=None)
 
 
-def test_unknown_format_version(tmp_path):
+def _edit_split_info(tmp_path, rank, edit):
+    """A valid checkpoint whose rank's split info ``edit`` changed (under a new marker, so only the split
+    infos' rules can catch it)."""
     ck = _bad(tmp_path, lambda d: None)
-    raw = json.loads((ck / split_info_name(0)).read_text())
-    raw["format_version"] = FORMAT_VERSION + 1
-    (ck / split_info_name(0)).write_text(json.dumps(raw))
+    raw = json.loads((ck / split_info_name(rank)).read_text())
+    edit(raw)
+    (ck / split_info_name(rank)).write_text(json.dumps(raw))
     _remark(ck)
+    return ck
+
+
+def test_unknown_format_version(tmp_path):
+    ck = _edit_split_info(tmp_path, 0, lambda raw: raw.update(format_version=FORMAT_VERSION + 1))
     with pytest.raises(MergeError, match=fr"format_version must be one of \(1, 2\), got {FORMAT_VERSION + 1}"):
         merge_checkpoint(ck, tmp_path / "out.ckpt", log=None)
 
 
 def test_shape_disagreement_names_the_file(tmp_path):
-    ck = _bad(tmp_path, lambda d: None)
-    raw = json.loads((ck / split_info_name(1)).read_text())
-    raw["tensors"][0]["shape"] = [15, 7]
-    (ck / split_info_name(1)).write_text(json.dumps(raw))
-    _remark(ck)
+    ck = _edit_split_info(tmp_path, 1, lambda raw: raw["tensors"][0].update(shape=[15, 7]))
     with pytest.raises(MergeError, match=r"params_split_info_1.json: tensor set differs .*different \['a.weight'\]"):
         merge_checkpoint(ck, tmp_path / "out.ckpt", log=None)
 

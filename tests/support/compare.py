@@ -1,0 +1,77 @@
+"""Comparing runs: what a launch wrote (:class:`Results`), relative errors, and :func:`assert_same_run`."""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+RTOL = 1e-5  # fp32 parity between stages and with plain data parallel (mostly exact; docs/parity.md)
+# fp16 has an 11-bit significand: one unit in the last place is 2^-10 = 9.8e-4 relative. Stages add fp16 values in
+# another order where the data flow differs (a tied weight's two gradients summed before or after the reduction;
+# accumulation before or after it), so parity is held to fp16 rounding.
+RTOL_FP16 = 1e-3  # measured (2 / 4 ranks): exact, except the tied embedding at stage 3: 5.2e-4 / 3.8e-4
+RTOL_FP16_ACCUM = 1e-2  # measured (K=4, fp16 buffers): 3.1e-3 / 5.6e-3 at stages 2-3 (reduce, then accumulate)
+RTOL_FP16_VS_FP32 = 2e-2  # the losses of fp16 vs fp32 training, 20 steps; measured 8.2e-3 / 4.4e-3
+# scripts/verify_accelerator.sh runs the tests on GPU/Ascend: there every scenario takes the real path
+ON_CPU = os.environ.get("MINDZERO_DEVICE", "CPU") == "CPU"
+
+
+class Results:
+    """The files one launch wrote (``<out>/rank_<r>/<name>.npz``). ``ran``: the scenario names this launch
+    ran; ``known``: every name a test may ask for. A name not known fails (a misspelt name must not skip);
+    a known name this launch did not run skips, saying so."""
+
+    def __init__(self, out, ran, known=None, why_not: str = ""):
+        self.out, self.ran = Path(out), list(ran)
+        self.known = set(self.ran) | set(known or ())
+        self.why_not = why_not
+
+    def load(self, rank: int, name: str) -> dict:
+        if name not in self.known:
+            raise AssertionError(f"scenario {name!r} is unknown (a misspelt name?); known: {sorted(self.known)}")
+        if name not in self.ran:
+            pytest.skip(f"{name} is not in this launch's matrix{': ' + self.why_not if self.why_not else ''}")
+        return load_npz(self.out / f"rank_{rank}" / f"{name}.npz")
+
+    def json(self, rank: int, name: str):
+        return json.loads((self.out / f"rank_{rank}" / name).read_text())
+
+
+def load_npz(path) -> dict:
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)) if b.size else 0.0
+
+
+def assert_same_run(got, ref, what, rtol=RTOL):
+    """Two runs' losses (where the reference is finite) and every final parameter (``param/...``) within
+    ``rtol`` relative (0: bit for bit)."""
+    assert len(got["losses"]) == len(ref["losses"]) >= 10, what
+    assert np.all(np.isfinite(ref["losses"])) or "overflow" in what
+    finite = np.isfinite(ref["losses"])
+    err = rel_err(got["losses"][finite], ref["losses"][finite])
+    assert err <= rtol, f"{what}: losses differ by {err:.2e} relative\n{got['losses']}\n{ref['losses']}"
+    names = sorted(k for k in ref if k.startswith("param/") and not k.endswith("@init"))
+    assert names == sorted(k for k in got if k.startswith("param/") and not k.endswith("@init")), \
+        f"{what}: parameter names differ"
+    for k in names:
+        assert got[k].shape == ref[k].shape, f"{what}: {k} shape {got[k].shape} != {ref[k].shape}"
+        err = rel_err(got[k], ref[k])
+        assert err <= rtol, f"{what}: {k} differs by {err:.2e} relative"
+
+
+def assert_parity_checks(res: Results, n: int) -> None:
+    """The checks every parity launch makes besides training (``worker_parity.py``): the collective Cells
+    against numpy on this world, and a plan that differs on the last rank refused on every rank, naming the
+    parameter, instead of a deadlock."""
+    for r in range(n):
+        c = res.json(r, "collectives.json")
+        assert c == dict(reduce_scatter_ok=True, all_gather_ok=True, any_rank_last=True, any_rank_none=False), (r, c)
+        message = (res.out / f"rank_{r}" / "plan_mismatch.txt").read_text()
+        assert f"rank {r}: the networks differ across ranks at parameter #" in message, (r, message)
+        assert "'proj' (15, " in message and f"rank {n - 1} differs from rank 0" in message, (r, message)

@@ -1,0 +1,165 @@
+"""The multi-rank scenarios as typed records. A :class:`Scenario`'s ``settings`` is a real mindzero settings
+mapping (the keys of ``prepare_train_network``), validated by mindzero's own parser when the record is made:
+a misspelt key or a bad value fails there, not in a worker."""
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from mindzero.core.settings import check_settings
+
+from .models import DEFAULT_OPTIMIZER, MODELS, OPTIMIZERS, trainable_bytes
+
+STEPS = 10
+DYNAMIC = {"init_loss_scale": 4096.0, "scale_factor": 2.0, "scale_window": 50}  # a dynamic loss scale of 2^12
+CLIP = {"clip_grad": True, "clip_norm": 0.05}
+EMA = {"ema": 0.99, "updates": 500}
+FP16 = {"param_dtype": "float16", "scale_sense": DYNAMIC}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One training run of a launch: ``model`` trained with ``optimizer`` on the test data
+    (:func:`tests.support.data.batch`) for ``steps`` steps, by plain data parallel (``stage="dp"``:
+    MindSpore's ``nn.TrainOneStepCell``; with ``gradient_accumulation_steps`` K in ``settings``, on the K
+    micro-batches concatenated) or by mindzero at ``stage`` with ``settings``.
+
+    ``force_overflow``: the last rank's input holds inf at step 4. ``substitute``: the GPU/Ascend code path
+    with CPU-legal primitives (:func:`mindzero.comm.substitute_collectives`). With ``param_dtype`` in
+    ``settings`` the network computes in fp16 (``mindspore.amp.auto_mixed_precision(net, "O2")``).
+    """
+
+    name: str
+    model: str
+    optimizer: str
+    stage: object  # "dp" or 0..3
+    settings: dict = field(default_factory=dict)  # prepare_train_network's options (not zero_stage)
+    steps: int = STEPS
+    force_overflow: bool = False
+    substitute: bool = False
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"scenario {self.name!r}: model {self.model!r} is not one of {sorted(MODELS)}")
+        if self.optimizer not in {*OPTIMIZERS, "adamw_groups"}:
+            raise ValueError(f"scenario {self.name!r}: optimizer {self.optimizer!r} is unknown")
+        if self.stage not in ("dp", 0, 1, 2, 3):
+            raise ValueError(f"scenario {self.name!r}: stage must be 'dp' or 0-3, got {self.stage!r}")
+        if "zero_stage" in self.settings:
+            raise ValueError(f"scenario {self.name!r}: give the stage as stage=, not in settings")
+        check_settings(self.settings, f"scenario {self.name!r}")
+
+    @property
+    def accumulation(self) -> int:
+        return self.settings.get("gradient_accumulation_steps", 1)
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.settings.get("param_dtype") is not None
+
+
+def thirds(model: str) -> dict:
+    """``comm_fusion`` with buckets of about a third of ``model``'s trainable bytes, for every kind."""
+    bucket = trainable_bytes(model) // 3
+    return {kind: {"openstate": True, "bucket_size": bucket} for kind in ("allreduce", "reduce_scatter", "allgather")}
+
+
+# every model with its optimizer; the parity runs train the GPT with SGD's weight decay too (1e-5 bar)
+MODEL_OPTIMIZERS = list({**DEFAULT_OPTIMIZER, "gpt": "sgd_decay"}.items())
+
+
+def parity_scenarios(world_size: int = 2) -> list:
+    """Every scenario of one parity launch. 2 ranks run the full matrix. 4 ranks (to keep the suite's time) run
+    every model at every stage, accumulation at every stage (the memory accounting) and ``mp-accum``
+    (accumulation, clipping and EMA in fp16) at every stage, but clipping, forced overflow, EMA, comm_fusion and
+    the mixed net in fp16 at stages 0 and 3 only, offload at stage 3, gpt and resnet in fp16 at stages 0 and 3
+    (stage 3: its own fp16 code path: fp16 gathers, reduce_dtype in the gather's backward)."""
+    full = world_size == 2
+    some = (0, 1, 2, 3) if full else (0, 3)
+    out = [Scenario(f"{model}-{stage}", model, opt, stage) for model, opt in MODEL_OPTIMIZERS
+           for stage in ("dp", 0, 1, 2, 3)]
+    for stage in some:
+        out.append(Scenario(f"clip-{stage}", "mixed", "adamw_groups", stage, CLIP))
+        out.append(Scenario(f"overflow-{stage}", "mixed", "adamw_groups", stage, {"scale_sense": DYNAMIC},
+                            force_overflow=True))
+    for stage in ("dp", 0, 1, 2, 3):
+        out.append(Scenario(f"accum-{stage}", "awkward", "adam", stage, {"gradient_accumulation_steps": 4}))
+    for stage in some:
+        out.append(Scenario(f"ema-{stage}", "mixed", "adamw_groups", stage, EMA))
+    for stage in (1, 3) if full else (3,):
+        out.append(Scenario(f"offload-{stage}", "mixed", "adamw_groups", stage, {"optimizer_offload": True}))
+    for model, opt in [m for m in MODEL_OPTIMIZERS if m[0] != "awkward"]:
+        for stage in some:  # fp16 params, fp32 masters, dynamic scale
+            out.append(Scenario(f"mp-{model}-{stage}", model, opt, stage, FP16, force_overflow=model == "mixed"))
+    if full:
+        out.append(Scenario("mp-offload-3", "mixed", "adamw_groups", 3, {**FP16, "optimizer_offload": True},
+                            force_overflow=True))
+        for name, settings in (("mp-long-0", FP16), ("fp32-long-0", {"scale_sense": DYNAMIC})):  # fp16 vs fp32
+            out.append(Scenario(name, "mixed", "adamw_groups", 0, settings, steps=20, force_overflow=True))
+        for stage in (0, 3):  # gradients reduced in fp32
+            out.append(Scenario(f"mp32-mixed-{stage}", "mixed", "adamw_groups", stage,
+                                {**FP16, "reduce_dtype": "float32"}, force_overflow=True))
+    for stage in (0, 1, 2, 3):  # accumulation (buffers in fp16), clipping, EMA
+        out.append(Scenario(f"mp-accum-{stage}", "awkward", "adam", stage,
+                            {**FP16, **CLIP, **EMA, "gradient_accumulation_steps": 4}))
+    for stage in some:  # the clip-<stage> runs with comm_fusion buckets
+        out.append(Scenario(f"fused-{stage}", "mixed", "adamw_groups", stage, {**CLIP, "comm_fusion": thirds("mixed")}))
+    if full:  # the GPU/Ascend path (real ReduceScatter, fused row layout) with CPU-legal primitives
+        for stage in (1, 2, 3):
+            for fused in (False, True):
+                settings = {**CLIP, "comm_fusion": thirds("mixed")} if fused else CLIP
+                out.append(Scenario(f"real-{'fused-' if fused else ''}{stage}", "mixed", "adamw_groups", stage,
+                                    settings, substitute=True))
+        out.append(Scenario("real-mp-3", "mixed", "adamw_groups", 3, FP16, force_overflow=True, substitute=True))
+        out.append(Scenario("real-accum-2", "awkward", "adam", 2, {"gradient_accumulation_steps": 4}, substitute=True))
+    return out
+
+
+HYBRID = {"hybrid_shard_size": 2}
+
+
+def hybrid_scenarios() -> list:
+    """Every scenario of the hybrid launch (4 ranks, op groups of 2, two replicas) and its plain-DP references."""
+    out = []
+    for model, opt in MODEL_OPTIMIZERS:
+        out.append(Scenario(f"{model}-dp", model, opt, "dp"))
+        out += [Scenario(f"{model}-h{stage}", model, opt, stage, HYBRID) for stage in (0, 1, 2, 3)]
+    out += [Scenario(f"clip-h{stage}", "mixed", "adamw_groups", stage, {**HYBRID, **CLIP}) for stage in (1, 2, 3)]
+    out.append(Scenario("overflow-dp0", "mixed", "adamw_groups", 0, {"scale_sense": DYNAMIC}, force_overflow=True))
+    out += [Scenario(f"overflow-h{stage}", "mixed", "adamw_groups", stage, {**HYBRID, "scale_sense": DYNAMIC},
+                     force_overflow=True) for stage in (1, 2, 3)]
+    out.append(Scenario("clip-dp0", "mixed", "adamw_groups", 0, CLIP))
+    out.append(Scenario("accum-dp", "awkward", "adam", "dp", {"gradient_accumulation_steps": 4}))
+    out += [Scenario(f"accum-h{stage}", "awkward", "adam", stage, {**HYBRID, "gradient_accumulation_steps": 4})
+            for stage in (2, 3)]
+    out.append(Scenario("mp-flat0", "gpt", "sgd_decay", 0, FP16))
+    out.append(Scenario("mp-h3", "gpt", "sgd_decay", 3, {**HYBRID, **FP16}))  # param_dtype=float16 inside the op groups
+    for stage in (1, 2, 3):  # the GPU/Ascend path: op-group ReduceScatter + dp-group AllReduce, CPU-legal
+        for fused in (False, True):
+            settings = {**HYBRID, **CLIP, **({"comm_fusion": thirds("mixed")} if fused else {})}
+            out.append(Scenario(f"real-{'fused-' if fused else ''}h{stage}", "mixed", "adamw_groups", stage, settings,
+                                substitute=True))
+    return out
+
+
+@dataclass(frozen=True)
+class CheckpointCase:
+    """One checkpoint scenario of ``worker_checkpoint.py``: train, save into ``ckpt`` (``format``; in the
+    background with ``async_save``; also one full file at ``full_path``), or load it in fresh processes."""
+
+    name: str
+    model: str
+    stage: int
+    ckpt: str
+    format: str = "ckpt"
+    full_path: str = None
+    param_dtype: str = None
+    async_save: bool = False
+
+    @property
+    def optimizer(self) -> str:
+        return "momentum" if self.model == "resnet" else "adamw"
+
+
+def cases_arg(cases) -> str:
+    """The ``--cases`` command-line argument of ``worker_checkpoint.py`` for a list of :class:`CheckpointCase`."""
+    return json.dumps([dataclasses.asdict(c) for c in cases])

@@ -1,0 +1,88 @@
+"""The worker side of a test launch: start (the library's worker protocol, with mindzero's deprecation
+warnings as errors, as in the suite) and train a :class:`~tests.support.scenarios.Scenario`."""
+import contextlib
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from mindspore import amp, nn
+
+import mindzero
+from mindzero.checkpoint.tensor_io import crc32_array
+from mindzero.comm import substitute_collectives
+from mindzero.launch.local import start_worker
+
+from .data import batch, concat
+from .models import build, make_optimizer
+
+
+def start(parser=None):
+    """:func:`mindzero.launch.local.start_worker` (arguments with ``--out``, the data-parallel world, this
+    rank's directory), with :class:`mindzero.MindzeroDeprecationWarning` an error: the tests use no
+    deprecated name."""
+    warnings.simplefilter("error", mindzero.MindzeroDeprecationWarning)
+    return start_worker(parser)
+
+
+@dataclass
+class Run:
+    arrays: dict  # losses, overflows, scales, data (CRC-32 of each input), emulated, param/<name> (@init, @ema, @master)
+    memory: dict  # mindzero.memory_report (None for plain data parallel)
+    train: object  # the train step
+
+
+def run(scn, world) -> Run:
+    """Train ``scn`` on this rank of ``world`` (the whole world: data by world rank)."""
+    net = build(scn.model)
+    init_params = {"init/" + p.name: p.asnumpy().copy() for p in net.trainable_params()}
+    cls = type(net)
+    opt = make_optimizer(scn.optimizer, net)
+    if scn.mixed_precision:  # fp16 compute, BatchNorm/LayerNorm in fp32: what users of mixed precision run
+        net = amp.auto_mixed_precision(net, "O2")
+    k = scn.accumulation
+    if scn.stage == "dp":
+        train = nn.TrainOneStepCell(net, opt)
+        train.set_train()
+    else:
+        # substitute: the GPU/Ascend code path, CPU-legal primitives (mindzero.comm.substitute_collectives)
+        with substitute_collectives() if scn.substitute else contextlib.nullcontext():
+            train = mindzero.prepare_train_network(net, opt, zero_stage=scn.stage, config=scn.settings)
+    losses, overflows, scales, seen = [], [], [], []
+    for step in range(scn.steps):
+        if scn.stage == "dp" and k > 1:  # plain DP on the concatenated micro-batches
+            inputs = concat([batch(cls, step, world.world_rank, m, n=2) for m in range(k)])
+            seen.append(crc32_array(inputs[0].asnumpy()))
+            losses.append(float(train(*inputs).asnumpy()))
+            continue
+        for m in range(k):
+            inputs = batch(cls, step, world.world_rank, m, n=2 if k > 1 else None)
+            seen.append(crc32_array(inputs[0].asnumpy()))
+            if scn.force_overflow and step == 4 and world.world_rank == world.world_size - 1:
+                x = inputs[0].asnumpy().copy()
+                x.flat[0] = np.inf  # forced overflow on the last rank only
+                inputs[0] = type(inputs[0])(x)
+            out = train(*inputs)
+            if scn.stage == "dp":
+                losses.append(float(out.asnumpy()))
+            else:
+                losses.append(float(out[0].asnumpy()))
+                overflows.append(bool(out[1].asnumpy()))
+                scales.append(float(out[2].asnumpy()))
+    if scn.stage == "dp":
+        params = {p.name: p.asnumpy() for p in net.get_parameters()}
+        params.update({k[len("init/"):] + "@init": v for k, v in init_params.items()})
+        memory, path = None, {}
+    else:
+        params = mindzero.gather_full_state_dict(train)
+        if scn.settings.get("ema"):
+            params.update({name + "@ema": v for name, v in mindzero.gather_full_state_dict(train, ema=True).items()})
+        if scn.mixed_precision:
+            params.update({name + "@master": v
+                           for name, v in mindzero.gather_full_state_dict(train, masters=True).items()})
+        memory = mindzero.memory_report(train)
+        # emulated False: the GPU/Ascend code path ran (on CPU: substitute_collectives)
+        path = {"emulated": np.array(train.zero_info.world.emulated)}
+    arrays = dict(losses=np.array(losses), overflows=np.array(overflows), scales=np.array(scales),
+                  data=np.array(seen, np.int64), **path,
+                  **{"param/" + n: v for n, v in params.items()})
+    return Run(arrays, memory, train)

@@ -1,0 +1,110 @@
+"""Guards of the package layout (docs/architecture.md), pure: the core and the offline tools import without
+MindSpore, and no import cycle runs through mindzero's modules."""
+import ast
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mindzero
+
+PACKAGE = Path(mindzero.__file__).resolve().parent
+# what must import without MindSpore: the pure core, the offline checkpoint tools, the launchers
+PURE_PACKAGES = ("mindzero.core",)
+PURE_MODULES = ("mindzero", "mindzero.checkpoint", "mindzero.checkpoint.format", "mindzero.checkpoint.tensor_io",
+                "mindzero.checkpoint.source", "mindzero.checkpoint.offline", "mindzero.checkpoint.cli",
+                "mindzero.launch", "mindzero.launch.local", "mindzero.launch.mpi", "mindzero.local_launch")
+
+
+def _modules(package: str) -> list:
+    path = PACKAGE.parent / package.replace(".", "/")
+    return [package] + [f"{package}.{m.name}" for m in pkgutil.iter_modules([str(path)])]
+
+
+PURE = sorted({m for p in PURE_PACKAGES for m in _modules(p)} | set(PURE_MODULES))
+
+
+def test_the_pure_list_covers_the_core():
+    assert len([m for m in PURE if m.startswith("mindzero.core.")]) >= 9, PURE
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_imports_without_mindspore(module):
+    """Imported with ``mindspore`` blocked (any import of it fails), and MindSpore is not loaded after."""
+    code = (f"import sys; sys.modules['mindspore'] = None; import {module}; "
+            "print(sorted(m for m in sys.modules if m.startswith('mindspore') and sys.modules[m] is not None))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict:
+    """Module -> the mindzero modules it imports at module level (imports inside functions are lazy and do
+    not make cycles at import time)."""
+    files = {_module_of(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        is_package = path.name == "__init__.py"
+        base = name.split(".") if is_package else name.split(".")[:-1]
+        edges = set()
+        for node in ast.parse(path.read_text()).body:
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
+                    module = ".".join(base[:len(base) - node.level + 1] + ([module] if module else []))
+                targets = [module] + [f"{module}.{a.name}" for a in node.names]
+            for t in targets:
+                if t in files and t != name:
+                    edges.add(t)
+        graph[name] = edges
+    return graph
+
+
+def test_no_import_cycle():
+    graph = _import_graph()
+    assert len(graph) > 30 and graph["mindzero.engine.prepare"], "the graph must see the package"
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                cycle = stack[stack.index(n):] + [n]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
+    """The check is not vacuous: a planted cycle between two modules is found."""
+    pkg = tmp_path / "mindzero"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "a.py").write_text("from . import b\n")
+    (pkg / "sub" / "b.py").write_text("from .a import x\n")
+    for i in range(31):
+        (pkg / f"m{i}.py").write_text("")
+    (pkg / "engine").mkdir()
+    (pkg / "engine" / "__init__.py").write_text("")
+    (pkg / "engine" / "prepare.py").write_text("from ..sub import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    with pytest.raises(AssertionError, match="import cycle: mindzero.sub.a -> mindzero.sub.b -> mindzero.sub.a"):
+        test_no_import_cycle()
