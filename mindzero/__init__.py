@@ -15,14 +15,14 @@ import importlib.util
 import sys
 import warnings
 
-from .core.config import (STAGES, CheckpointOptions, EmaPolicy, GroupPolicy, LossScale, MixedPrecision, StagePolicy,
-                          ZeroConfig, stage_policy)
-from .core.deprecation import MindzeroDeprecationWarning
-from .core.estimate import estimate_memory
-from .core.memory import expected_bytes
-from .core.plan import ParamInfo, PartitionPlan, ShardSpec
-from .core.settings import ConfigError, load_config
-from .core.topology import HybridLayout, LayoutError, World
+from .core.config import (STAGES, CheckpointOptions, EmaPolicy, GroupPolicy, LossScale,  # noqa: F401 (public)
+                          MixedPrecision, StagePolicy, ZeroConfig, stage_policy)
+from .core.deprecation import MindzeroDeprecationWarning  # noqa: F401 (public)
+from .core.estimate import estimate_memory  # noqa: F401
+from .core.memory import expected_bytes  # noqa: F401
+from .core.plan import ParamInfo, PartitionPlan, ShardSpec  # noqa: F401
+from .core.settings import ConfigError, load_config  # noqa: F401
+from .core.topology import HybridLayout, LayoutError, World  # noqa: F401
 
 __version__ = "0.1.0"
 
@@ -33,7 +33,8 @@ _LAZY = {
     "lazy_init": "mindzero.engine.materialize",
     "gather_full_state_dict": "mindzero.checkpoint.live",
     "load_checkpoint": "mindzero.checkpoint.live",
-    "save_full_checkpoint": "mindzero.checkpoint.live",
+    "save_full_checkpoint": "mindzero.checkpoint.pretrained",
+    "load_pretrained": "mindzero.checkpoint.pretrained",
     "latest_checkpoint": "mindzero.checkpoint.live",
     "read_trainer_state": "mindzero.checkpoint.live",
     "complete_checkpoints": "mindzero.checkpoint.live",

@@ -27,7 +27,6 @@ buffers are empty at an update step, the only time a save is allowed.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from mindspore import Tensor
 from ..comm.cells import AllReduceSum, shared_cell
 from ..core.plan import shard_array
 from ..engine.stage3 import GatherFull
-from .format import (COMPLETE, FORMATS, SplitInfo, entry_at)
+from .format import (COMPLETE, SplitInfo, entry_at)
 from .tensor_io import MS_TO_NAME
 
 
@@ -234,58 +233,44 @@ def gather_full_state_dict(train_net, ema: bool = False, masters: bool = False) 
     Collective: all ranks must call it (stage 3 all-gathers each shard, one tensor at a time: the
     device holds one full tensor beyond the shards, the host the result).
     """
+    return dict(iter_full_tensors(train_net, ema=ema, masters=masters))
+
+
+def iter_full_tensors(train_net, names=None, ema: bool = False, masters: bool = False):
+    """``(name, full numpy array)`` of each network parameter in ``names`` (default: all, in plan order),
+    one at a time; ``ema`` / ``masters`` as :func:`gather_full_state_dict`. Collective: every rank iterates
+    to the end (stage 3 all-gathers each shard)."""
     info = train_net.zero_info
-    out = {}
-    policy = info.config.policy
-    plan_names = {s.name for s in info.plan}
-    sharded_names = {s.name for s in info.plan if s.sharded} if policy.shard_parameters else set()
-    params = list(train_net.network.get_parameters())
+    policy, optimized = info.config.policy, set(info.opt_param_names)
+    if ema and masters:
+        raise ValueError("gather_full_state_dict: pass ema=True or masters=True, not both")
+    values = {p.name: p for p in train_net.network.get_parameters()}
     if masters:
-        if ema:
-            raise ValueError("gather_full_state_dict: pass ema=True or masters=True, not both")
-        by_name = {pair.master.name: pair.master for pair in info.master_pairs} if info.precision.enabled else {}
-        if not by_name:
+        if not info.precision.enabled:
             raise ValueError("gather_full_state_dict(masters=True): this train step keeps no fp32 masters; pass "
                              "param_dtype to prepare_train_network")
-        params = [by_name.get("zero_master." + p.name, p) for p in params]
-        sharded_names = {s.name for s in info.plan if s.sharded} if policy.shard_optimizer_states else set()
+        values.update((pair.held.name, pair.master) for pair in info.master_pairs)
     if ema:
         if not train_net.has_ema:
             raise ValueError("gather_full_state_dict(ema=True): this train step has no EMA; pass ema= to "
                              "prepare_train_network")
-        averages = dict(zip(info.opt_param_names, train_net.ema.ema_weights))
-        params = [averages.get(p.name, p) for p in params]
+        values.update(zip(info.opt_param_names, train_net.ema.ema_weights))
+
+    def is_shard(name):  # where this rank holds a shard of what is asked for
+        if not info.plan[name].sharded:
+            return False
+        if masters and name in optimized:  # masters are sharded where the optimizer's states are
+            return policy.shard_optimizer_states
+        return policy.shard_parameters
+
     gathers = {}  # GatherFull.key -> GatherFull: one compile per distinct shape
-    for p in params:
-        name = p.name
-        prefix = "ema." if ema else "zero_master." if masters else None
-        if prefix and name.startswith(prefix) and name[len(prefix):] in plan_names:
-            name = name[len(prefix):]
-        if name in sharded_names:
+    for name in names if names is not None else [s.name for s in info.plan]:
+        p = values[name]
+        if is_shard(name):
             spec = info.plan[name]
             key = GatherFull.key(spec)
             if key not in gathers:
                 gathers[key] = GatherFull(spec, info.world)
-            out[name] = gathers[key](p).asnumpy()
+            yield name, gathers[key](p).asnumpy()
         else:
-            out[name] = p.asnumpy().copy()
-    return {s.name: out[s.name] for s in info.plan}
-
-
-def save_full_checkpoint(train_net, path, format="ckpt"):
-    """Gather the full network parameters (collective) and write them on rank 0 to ``path``, loadable
-    into the plain network with ``mindspore.load_checkpoint`` + ``load_param_into_net``."""
-    import mindspore as ms
-
-    if format not in FORMATS:
-        raise CheckpointError(f"format must be one of {FORMATS}, got {format!r}")
-    full = gather_full_state_dict(train_net)
-    path = Path(path)
-    if not path.name.endswith("." + format):
-        raise CheckpointError(f"path must end with .{format} for format={format!r}, got {str(path)!r}")
-    if train_net.zero_info.world.world_rank == 0:
-        tmp = path.with_name(f".partial-{os.getpid()}-{path.name}")  # keeps the suffix MindSpore checks
-        ms.save_checkpoint([{"name": n, "data": Tensor(v)} for n, v in full.items()], str(tmp), format=format)
-        os.replace(tmp, path)
-    _Barrier(train_net.zero_info.world)()
-    return path
+            yield name, p.asnumpy().copy()

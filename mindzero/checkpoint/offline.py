@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..core.checks import require_int
-from ..core.plan import REASON_USER, ParamInfo, PartitionPlan, is_per_rank
+from ..core.plan import REASON_FROZEN, REASON_USER, ParamInfo, PartitionPlan, is_per_rank
 from .format import FORMATS, SplitInfo, SplitInfoError, entry_at, split_info_name, write_marker
 from .source import MergeError, Source
 from .tensor_io import crc32_array, np_dtype, open_writer
@@ -123,10 +123,15 @@ def merge_checkpoint(ckpt_dir, out, format="ckpt", with_optimizer=False, force=F
 
 
 def _plan_from_entries(ref: SplitInfo, op_size: int) -> PartitionPlan:
-    infos = [ParamInfo(t.name, tuple(t.shape), t.dtype, optimized=not is_per_rank(t.replicated_reason),
-                       parallel_optimizer=t.replicated_reason != REASON_USER)
+    """The plan of a checkpoint's parameters over ``op_size`` ranks, each kept in its role: buffers per rank,
+    frozen weights kept whole where the run kept them whole (a sharded frozen weight is placed as any
+    sharded parameter)."""
+    infos = [ParamInfo(t.name, tuple(t.shape), t.dtype,
+                       optimized=not (is_per_rank(t.replicated_reason) or t.replicated_reason == REASON_FROZEN),
+                       parallel_optimizer=t.replicated_reason != REASON_USER,
+                       written=is_per_rank(t.replicated_reason))
              for t in ref.tensors if t.kind == "parameter"]
-    return PartitionPlan.build(infos, op_size, 0)
+    return PartitionPlan.build(infos, op_size, 0, shard_frozen=False)
 
 
 def _resharded_infos(src: Source, world_size: int, stage: int, fmt: str, run_id: str) -> list:

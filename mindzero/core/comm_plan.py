@@ -137,12 +137,17 @@ def step_calls(state, world: World) -> list:
     micro, boundary, update = [], [], []
     if config.policy.shard_parameters:
         sharded = [p for p in state.params if p.sharded]
-        for p in sharded:  # one gather per parameter where it is used; fusion does not apply
-            micro += all_gather_calls([p.spec], world, "forward")
+        frozen = [s for s in state.plan if s.frozen] if state.plan is not None else []
+        for spec in [p.spec for p in sharded] + frozen:  # one gather per parameter where it is used
+            micro += all_gather_calls([spec], world, "forward")
         for p in reversed(sharded):
             if state.regather:
                 micro += all_gather_calls([p.spec], world, "backward")
             micro += reduce_scatter_calls([p.reduce_spec], world, "backward")
+        # a frozen weight has no gradient to reduce; backward gathers it again where the gradient of its
+        # layer's input is needed (every frozen layer above the lowest trainable one): at most once each
+        if state.regather:
+            micro += [c for s in frozen for c in all_gather_calls([s], world, "backward")]
     for b in state.micro:
         micro += reduce_scatter_calls(b.specs, world, "backward")
     for b in state.boundary:

@@ -279,6 +279,7 @@ class ZeroConfig:
     groups: GroupPolicy = field(default_factory=GroupPolicy)
     optimizer_offload: bool = False
     stage3_regather: bool = True
+    shard_frozen: bool = True  # stage 3 shards the parameters the optimizer does not update and the network reads
 
     def __post_init__(self):
         if self.precision is None:
@@ -293,7 +294,8 @@ class ZeroConfig:
             raise ValueError(f"ema must be None or an EmaPolicy, got {self.ema!r}")
         stage_policy(self.zero_stage)
         require_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
-        for name in ("clip_grad", "drop_overflow_update", "verbose", "optimizer_offload", "stage3_regather"):
+        for name in ("clip_grad", "drop_overflow_update", "verbose", "optimizer_offload", "stage3_regather",
+                     "shard_frozen"):
             require_bool(name, getattr(self, name))
         if not is_number(self.clip_norm) or not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be a number > 0, got {self.clip_norm!r}")
@@ -324,7 +326,8 @@ class ZeroConfig:
                           loss_scale=LossScale.parse(a["scale_sense"]), ema=EmaPolicy.parse(a["ema"], a["updates"]),
                           fusion=parse_comm_fusion(a["comm_fusion"]),
                           groups=GroupPolicy(a["optimizer_parallel_group"], a["dp_group"], a["hybrid_shard_size"]),
-                          optimizer_offload=a["optimizer_offload"], stage3_regather=a["stage3_regather"])
+                          optimizer_offload=a["optimizer_offload"], stage3_regather=a["stage3_regather"],
+                          shard_frozen=a["shard_frozen"])
 
 
 #: ``prepare_train_network``'s options and their defaults (its signature repeats them: a test holds the two
@@ -333,7 +336,8 @@ ARGUMENT_DEFAULTS = {
     "scale_sense": 1.0, "ema": None, "updates": 0, "drop_overflow_update": True, "gradient_accumulation_steps": 1,
     "clip_grad": False, "clip_norm": 1.0, "verbose": False, "zero_stage": 0, "optimizer_offload": False,
     "optimizer_parallel_group": None, "dp_group": None, "comm_fusion": None, "parallel_modules": None,
-    "stage3_regather": True, "param_dtype": None, "reduce_dtype": None, "hybrid_shard_size": None,
+    "stage3_regather": True, "param_dtype": None, "reduce_dtype": None, "shard_frozen": True,
+    "hybrid_shard_size": None,
 }
 #: the options a settings file cannot hold (objects of the running job)
 NOT_IN_SETTINGS = ("optimizer_parallel_group", "dp_group", "parallel_modules")

@@ -50,7 +50,7 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
     for s in plan:
         numel = s.shard_size if (policy.shard_parameters and s.sharded) else s.numel
         out["parameters"] += numel * s.itemsize
-        if s.per_rank:
+        if not s.optimized:  # frozen weights and buffers: no gradient, no optimizer state, no EMA
             continue
         # fp32 values (masters, moments, EMA) of a mixed-precision run: 4 bytes whatever the held dtype
         wide = dtype_bytes("float32") if mixed else s.itemsize

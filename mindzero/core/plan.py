@@ -14,7 +14,13 @@ Vocabulary (used across mindzero):
 * **op group** (optimizer-parallel group): the ranks that share one copy of the
   sharded state; ``op_size`` below is its size and ``op_rank`` a rank's shard index in it.
 * **replicated**: a parameter every rank keeps whole, with the reason recorded
-  (``parallel_optimizer=False``, not trained by the optimizer, or empty).
+  (``parallel_optimizer=False``, a buffer the network writes, frozen with ``shard_frozen=False``, or empty).
+* **frozen**: a parameter the optimizer does not update and the network only reads (a frozen backbone of
+  adapter fine-tuning): sharded at stage 3 like a trainable one (``ShardSpec.optimized`` False), with no
+  gradient and no optimizer state. A **buffer** the network writes (BatchNorm's moving statistics, a
+  Parameter a Cell assigns to) is never sharded: a write to a gathered copy would be lost without an error
+  (MindSpore 2.10 runs ``ops.assign`` and BatchNorm's update on a non-Parameter and drops the result), so
+  :func:`written_buffers` finds them and each rank keeps its own.
 
 This module is pure Python (no MindSpore import): the train step, the memory
 report and the checkpoint tools all build the same :class:`PartitionPlan`.
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -36,16 +43,20 @@ DTYPE_BYTES = {
 }
 
 REASON_USER = "parallel_optimizer=False"
-REASON_NOT_OPTIMIZED = "not updated by the optimizer (buffer or frozen)"
+REASON_BUFFER = "a buffer the network writes"
+REASON_FROZEN = "frozen (not updated by the optimizer), kept whole: shard_frozen=False"
 REASON_EMPTY = "has no elements"
+# the reason of every parameter the optimizer did not update, in plans and checkpoints before frozen weights
+# were sharded (split-info format versions 1-2 still carry it): a per-rank value
+REASON_NOT_OPTIMIZED = "not updated by the optimizer (buffer or frozen)"
 
 
 def is_per_rank(reason: str) -> bool:
-    """Whether a parameter the plan replicates for ``reason`` is a per-rank value: one the optimizer does
-    not update (a buffer such as BatchNorm's statistics, or a frozen weight). Each rank keeps its own (a
-    checkpoint stores every rank's), and it has no gradient or optimizer state. The one test of it, for
-    plans (:attr:`ShardSpec.per_rank`) and split infos (``TensorEntry.per_rank``)."""
-    return reason == REASON_NOT_OPTIMIZED
+    """Whether a parameter the plan replicates for ``reason`` is a per-rank value: a buffer the network
+    writes (BatchNorm's statistics; in older plans every parameter the optimizer did not update). Each rank
+    keeps its own (a checkpoint stores every rank's), and it has no gradient or optimizer state. The one
+    test of it, for plans (:attr:`ShardSpec.per_rank`) and split infos (``TensorEntry.per_rank``)."""
+    return reason in (REASON_BUFFER, REASON_NOT_OPTIMIZED)
 
 
 def valid_elements(numel: int, sharded: bool, offset: int, shard_size: int) -> int:
@@ -115,6 +126,7 @@ class ShardSpec:
     op_rank: int  # the rank this spec is seen from: its shard index in the op group
     sharded: bool
     reason: str = ""  # why the parameter is replicated; empty when sharded
+    optimized: bool = True  # the optimizer updates it (False: frozen, or a buffer): no gradient, no state
 
     group_size = renamed_property("group_size", "op_size", "ranks in the op group")
     rank = renamed_property("rank", "op_rank", "the shard index in the op group")
@@ -171,9 +183,15 @@ class ShardSpec:
             raise IndexError(f"flat_index must be in [0, {self.numel}) for {self.name!r}, got {flat_index}")
         return flat_index // self.shard_size if self.sharded else self.op_rank
 
+    @property
+    def frozen(self) -> bool:
+        """Sharded (at stage 3) but not updated by the optimizer: read-only."""
+        return self.sharded and not self.optimized
+
     def for_rank(self, op_rank: int) -> "ShardSpec":
         """The same parameter's spec as seen from op rank ``op_rank``."""
-        return ShardSpec(self.name, self.shape, self.dtype, self.op_size, op_rank, self.sharded, self.reason)
+        return ShardSpec(self.name, self.shape, self.dtype, self.op_size, op_rank, self.sharded, self.reason,
+                         self.optimized)
 
 
 @dataclass(frozen=True)
@@ -185,6 +203,7 @@ class ParamInfo:
     dtype: str = "float32"
     optimized: bool = True  # updated by the optimizer
     parallel_optimizer: bool = True  # the user's per-parameter opt-out
+    written: bool = False  # the network writes it (a buffer: never sharded)
 
 
 @dataclass(frozen=True)
@@ -203,10 +222,11 @@ class PartitionPlan:
     rank = renamed_property("rank", "op_rank", "the shard index in the op group")
 
     @staticmethod
-    def build(params: Iterable[ParamInfo], op_size: int = None, op_rank: int = None, *, group_size: int = None,
-              rank: int = None) -> "PartitionPlan":
-        """Shard every optimized, non-empty parameter that the user did not opt out, over an op group of
-        ``op_size`` ranks, seen from ``op_rank`` (``group_size=`` / ``rank=``: their deprecated names).
+    def build(params: Iterable[ParamInfo], op_size: int = None, op_rank: int = None, *, shard_frozen: bool = True,
+              group_size: int = None, rank: int = None) -> "PartitionPlan":
+        """Shard every non-empty parameter that the user did not opt out and the network does not write, over
+        an op group of ``op_size`` ranks, seen from ``op_rank``: the optimized ones, and the frozen ones unless
+        ``shard_frozen`` is False (``group_size=`` / ``rank=``: the deprecated names of the first two).
 
         Raises:
             ValueError: ``op_size`` < 1, ``op_rank`` outside ``[0, op_size)``, or a duplicate parameter name.
@@ -229,11 +249,13 @@ class PartitionPlan:
             reason = ""
             if not p.parallel_optimizer:
                 reason = REASON_USER
-            elif not p.optimized:
-                reason = REASON_NOT_OPTIMIZED
+            elif not p.optimized and p.written:
+                reason = REASON_BUFFER
+            elif not p.optimized and not shard_frozen:
+                reason = REASON_FROZEN
             elif math.prod(shape) == 0:
                 reason = REASON_EMPTY
-            specs.append(ShardSpec(p.name, shape, str(p.dtype), op_size, op_rank, not reason, reason))
+            specs.append(ShardSpec(p.name, shape, str(p.dtype), op_size, op_rank, not reason, reason, p.optimized))
         return PartitionPlan(op_size, op_rank, tuple(specs))
 
     def __getitem__(self, name: str) -> ShardSpec:
@@ -261,14 +283,16 @@ class PartitionPlan:
 
     def fingerprint(self) -> str:
         """A hash of what every rank must agree on (names, shapes, dtypes, sharding, op group size)."""
-        text = repr([(s.name, s.shape, s.dtype, s.sharded) for s in self.specs] + [self.op_size])
+        text = repr([(s.name, s.shape, s.dtype, s.sharded, s.optimized) for s in self.specs] + [self.op_size])
         return hashlib.sha256(text.encode()).hexdigest()
 
     def summary(self) -> str:
         """Human-readable lines: counts, padding and the replicated parameters with reasons."""
         pad = sum(s.padding for s in self.sharded)
-        lines = [f"partition plan: {len(self.sharded)} sharded, {len(self.replicated)} replicated parameters "
-                 f"over an op group of {self.op_size} (op rank {self.op_rank}); padding {pad} elements in all"]
+        frozen = sum(s.frozen for s in self.specs)
+        lines = [f"partition plan: {len(self.sharded)} sharded ({frozen} of them frozen: sharded at stage 3, "
+                 f"no gradient or optimizer state), {len(self.replicated)} replicated parameters over an op group "
+                 f"of {self.op_size} (op rank {self.op_rank}); padding {pad} elements in all"]
         for s in self.replicated:
             lines.append(f"  replicated {s.name} {s.shape}: {s.reason}")
         return "\n".join(lines)
@@ -298,6 +322,103 @@ def param_infos(network, precision, optimizer=None) -> list:
     else:
         optimized = lambda p: bool(p.requires_grad)  # noqa: E731
     keep = kept_fp32(network) if precision.enabled else set()
+    written = written_buffers(network)
     return [ParamInfo(p.name, tuple(p.shape), precision.held(str(p.dtype).lower(), optimized(p), id(p) in keep),
-                      optimized(p), bool(getattr(p, "parallel_optimizer", True)))
+                      optimized(p), bool(getattr(p, "parallel_optimizer", True)), p.name in written)
             for p in network.get_parameters()]
+
+
+# a call that writes its first argument: ops.assign, ops.assign_add, P.Assign()(...), ops.scatter_update, ...
+_WRITES = re.compile(r"assign|scatter|update|set_data", re.IGNORECASE)
+_SELF_CALLS = {}  # class -> the calls on self.<attr> of its own source (see _self_calls)
+
+
+def written_buffers(network) -> dict:
+    """``{parameter name: why}`` for every Parameter of ``network`` that the network writes (a buffer):
+
+    * the moving statistics of MindSpore's BatchNorm layers (``_BatchNorm`` subclasses: BatchNorm1d/2d/3d,
+      SyncBatchNorm), which the BatchNorm kernel updates;
+    * a Parameter ``self.<attr>`` of a Cell whose class (or a base class below MindSpore's ``Cell``) passes it
+      as the first argument of a write: a call named like one (``ops.assign(self.buf, v)``,
+      ``P.ScatterUpdate()(self.table, i, v)``, ``self.assign_add(self.n, one)``), a call of a primitive the
+      Cell holds whose name is (``self.add = ops.AssignAdd()``; ``self.add(self.n, one)``), or such a method
+      of it (``self.buf.assign_value(v)``);
+    * every Parameter of a Cell whose class's source cannot be read (so no write can be ruled out).
+
+    Pure: reads the Cells' Python classes (``inspect``, ``ast``), not MindSpore's graph. A parameter the rule
+    misses (written through a helper function or another Cell) can be kept replicated with
+    ``param.parallel_optimizer = False``.
+    """
+    out = {}
+    for _, cell in network.cells_and_names():
+        cls = type(cell)
+        mro = [c.__name__ for c in cls.__mro__]
+        calls = _self_calls(cls)
+        for attr, p in list(cell._params.items()):
+            if p is None:
+                continue
+            if "_BatchNorm" in mro and attr in ("moving_mean", "moving_variance"):
+                out[p.name] = f"{cls.__name__} updates its moving statistics"
+            elif calls is None:
+                out[p.name] = f"the source of {cls.__name__} cannot be read to rule out a write"
+            else:
+                for where, callee, target in calls:
+                    if target == attr and _is_write(cell, callee):
+                        out[p.name] = f"{where} writes self.{attr}"
+                        break
+    return out
+
+
+def _is_write(cell, callee) -> bool:
+    """Whether ``callee`` (a name, or ``("self", attr)``: a primitive the Cell holds) writes its first input."""
+    if isinstance(callee, tuple):
+        held = getattr(cell, callee[1], None)
+        return bool(_WRITES.search(callee[1]) or _WRITES.search(type(held).__name__)
+                    or _WRITES.search(str(getattr(held, "name", ""))))
+    return bool(_WRITES.search(callee))
+
+
+def _self_calls(cls):
+    """``[(where, callee, attr)]``: every call in ``cls``'s own code (and its bases' below MindSpore's
+    ``Cell``) whose first argument is ``self.<attr>`` (or that is a method of ``self.<attr>``); ``callee`` is
+    the called name, or ``("self", name)`` for a call of ``self.<name>``. ``None`` if some source cannot be
+    read. Cached per class."""
+    if cls not in _SELF_CALLS:
+        import ast
+        import inspect
+
+        found = []
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("mindspore.nn.cell") or klass is object:
+                break  # MindSpore's Cell and what it is built on write no Parameter of a subclass
+            try:
+                tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(klass)))
+            except (OSError, TypeError, SyntaxError):
+                found = None
+                break
+            for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+                found += [(f"{klass.__name__}.{fn.name}", callee, attr) for callee, attr in _calls_on_self(fn)]
+        _SELF_CALLS[cls] = found
+    return _SELF_CALLS[cls]
+
+
+def _calls_on_self(function):
+    import ast
+
+    def self_attr(node):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            return node.attr
+        return None
+
+    for node in ast.walk(function):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        while isinstance(func, ast.Call):  # P.Assign()(...)
+            func = func.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        callee = ("self", name) if self_attr(func) else name
+        if node.args and self_attr(node.args[0]):
+            yield callee, self_attr(node.args[0])
+        if isinstance(func, ast.Attribute) and self_attr(func.value):  # self.buf.assign_value(v)
+            yield name, self_attr(func.value)

@@ -35,7 +35,7 @@ def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
     check_precision(precision, optimizer, world)
     if config.optimizer_offload:
         offload_update(optimizer)
-    plan = build_plan(network, optimizer, world, precision)
+    plan = build_plan(network, optimizer, world, config)
     check_same_plan(plan, world, config.zero_stage)
     params = _param_states(optimizer, plan, config)
     digests = {}
@@ -61,10 +61,11 @@ def _loss_scale(loss_scale: LossScale):
     return Parameter(Tensor(loss_scale.value, ms.float32), name="scale_sense", requires_grad=False), manager
 
 
-def build_plan(network, optimizer, world: World, precision: MixedPrecision = MixedPrecision()) -> PartitionPlan:
+def build_plan(network, optimizer, world: World, config: ZeroConfig) -> PartitionPlan:
     """The partition plan of ``network``'s parameters for this rank, in ``network.get_parameters()`` order
     (dtypes as held: ``param_dtype`` for the optimized parameters of a mixed-precision run)."""
-    return PartitionPlan.build(param_infos(network, precision, optimizer), world.op_size, world.op_rank)
+    return PartitionPlan.build(param_infos(network, config.precision, optimizer), world.op_size, world.op_rank,
+                               shard_frozen=config.shard_frozen)
 
 
 def _param_states(optimizer, plan: PartitionPlan, config: ZeroConfig) -> tuple:

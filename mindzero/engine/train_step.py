@@ -29,6 +29,8 @@ Returns ``(loss, overflow, loss_scale)`` like ``nn.TrainOneStepWithLossScaleCell
 """
 from __future__ import annotations
 
+import contextlib
+
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
@@ -186,6 +188,27 @@ class ZeroEMA(nn.Cell):
         return ops.depend(ops.assign(self.updates, updates), done)
 
 
+@contextlib.contextmanager
+def _execution_order(order):
+    """Compile under MindSpore's kernel execution order ``order`` (``"dfs"``/``"bfs"``; ``None``: as set).
+
+    The order is fixed when a graph compiles and the runtime keeps it; it decides when each kernel's output
+    is freed. MindSpore's default (``bfs``) runs the consumers of the per-gradient reductions late, so every
+    full gradient is alive at the end of backward even where its reduction follows its production in the
+    graph; ``dfs`` runs each reduction right after the gradient it reduces (docs/stages.md, measured). The
+    context setting is process-wide: it is restored at once.
+    """
+    if order is None:
+        yield
+        return
+    previous = ms.get_context("exec_order")
+    ms.set_context(exec_order=order)
+    try:
+        yield
+    finally:
+        ms.set_context(exec_order=previous)
+
+
 class ZeroTrainOneStepCell(nn.Cell):
     """Train step of :func:`mindzero.prepare_train_network`; see the module docstring for the phases.
 
@@ -233,8 +256,15 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.has_ema = state.ema is not None
         if self.has_ema:
             self.ema = state.ema
+        # stages that shard gradients reduce each where backward produces it: compiled in depth-first order
+        self.exec_order = "dfs" if config.policy.shard_gradients else None
         self.set_train(True)
         self._compiled = False
+
+    def compile(self, *args, **kwargs):
+        """Compile the step (graph mode), in the kernel execution order of its stage (see ``exec_order``)."""
+        with _execution_order(self.exec_order):
+            return super().compile(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         if not self._compiled and ms.get_context("mode") == ms.GRAPH_MODE:

@@ -34,6 +34,7 @@ def runs(tmp_path_factory):
     two += [Case("resnet-3", "resnet", 3, str(ck / "resnet-3")), Case("awk2-s1", "awkward", 1, str(ck / "awk2-s1"))]
     two += [Case(f"mp-mixed-{s}", "mixed", s, str(ck / f"mp-mixed-{s}"), param_dtype="float16") for s in (1, 3)]
     two += [Case("mixed-3-async", "mixed", 3, str(ck / "mixed-3-async"), async_save=True)]
+    two += [Case("lora-3", "lora", 3, str(ck / "lora-3"))]  # frozen weights sharded, buffers per rank
     four = [Case("awk4-s3", "awkward", 3, str(ck / "awk4-s3"))]
     launch(2, root / "train2", "train", two)
     launch(4, root / "train4", "train", four)
@@ -47,12 +48,13 @@ def runs(tmp_path_factory):
                 Case("fp32-into-mp1", "mixed", 1, str(ck / "mixed-1"), param_dtype="float16")]
     launch(2, root / "resume2", "resume", resume2)
     launch(4, root / "resume4", "resume", [Case("awk2-to-4", "awkward", 3, str(ck / "awk2-to-4-s3")),
-                                           Case("awk2-direct-4", "awkward", 3, str(ck / "awk2-s1"))])
+                                           Case("awk2-direct-4", "awkward", 3, str(ck / "awk2-s1")),
+                                           Case("lora2-direct-4", "lora", 3, str(ck / "lora-3"))])
     return root
 
 
 @pytest.mark.parametrize("name", [f"mixed-{s}" for s in STAGES] + ["resnet-3", "mp-mixed-1", "mp-mixed-3",
-                                                                   "mixed-3-async"])
+                                                                   "mixed-3-async", "lora-3"])
 def test_resume_in_fresh_processes(runs, name):
     """Fresh processes restore the saved state bit for bit, and continue exactly as the run that never
     stopped. Exception, measured: the BatchNorm/Conv2d net at 2 ranks differs by 1 ulp in its 3rd resumed
@@ -193,3 +195,28 @@ def test_merge_mixed_precision_writes_fp32_masters(runs, stage, tmp_path):
             value = reader.read(name)
             assert value.dtype == dtype, (values, name, value.dtype)
             np.testing.assert_array_equal(value, saved[prefix + name], err_msg=f"{values} {name}")
+
+
+def test_frozen_weights_save_merge_and_resume_at_another_world_size(runs, tmp_path):
+    """The adapter network at stage 3 (frozen weights sharded, its buffers per rank): the checkpoint merges to
+    the full frozen weights; 4 ranks load the 2-rank checkpoint straight (resume anywhere): every parameter,
+    frozen ones included, as saved (the buffers: rank 0's on the new ranks 2-3, as reshard gives them)."""
+    from mindzero.checkpoint.format import SplitInfo
+    from mindzero.checkpoint.tensor_io import open_reader
+
+    saved = load(runs / "train2", 0, "lora-3")
+    ck = runs / "checkpoints" / "lora-3"
+    entries = {t.name: t for t in SplitInfo.read(ck / "params_split_info_0.json").tensors}
+    assert entries["base1.weight"].sharded and entries["embed.embedding_table"].sharded  # frozen, sharded
+    assert entries["steps"].per_rank and not entries["steps"].sharded  # a buffer the network writes
+    mindzero.merge_checkpoint(ck, tmp_path / "m.ckpt", log=None)
+    merged = open_reader(tmp_path / "m.ckpt")
+    for name in ("embed.embedding_table", "base1.weight", "base2.bias", "a1", "bn.gamma"):
+        np.testing.assert_array_equal(merged.read(name), saved["saved/" + name], err_msg=name)
+    for r in range(4):
+        got = load(runs / "resume4", r, "lora2-direct-4")
+        own = load(runs / "train2", min(r, 1) if r < 2 else 0, "lora-3")
+        for k in (k for k in saved if k.startswith("saved/")):
+            name = k[len("saved/"):]
+            expect = own[k] if name in ("steps", "bn.moving_mean", "bn.moving_variance") else saved[k]
+            np.testing.assert_array_equal(got["loaded/" + name], expect, err_msg=f"rank {r} {name}")

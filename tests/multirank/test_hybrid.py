@@ -16,7 +16,7 @@ from tests.support.scenarios import hybrid_scenarios
 from . import WORKERS
 
 N = 4
-MODELS = ["mixed", "awkward", "gpt", "resnet"]
+MODELS = ["mixed", "awkward", "gpt", "resnet", "lora"]
 
 
 @pytest.fixture(scope="module")

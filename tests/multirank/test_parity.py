@@ -17,7 +17,7 @@ from tests.support.scenarios import parity_scenarios
 
 from . import WORKERS
 
-MODELS = ["mixed", "awkward", "gpt", "resnet"]
+MODELS = ["mixed", "awkward", "gpt", "resnet", "lora"]
 REDUCED = "4 ranks run a reduced matrix for the suite's time (tests.support.scenarios.parity_scenarios); 2 ranks run it"
 
 
@@ -196,6 +196,26 @@ def _padding_and_replicated(res, scenario, n, replicated=()):
         else:
             pad += shard_size_for(v.size, n) * n - v.size
     return pad, repl
+
+
+def test_frozen_weights_are_sharded_at_stage3_and_buffers_keep_counting(run):
+    """The adapter network (a frozen embedding and base layers, trainable adapters, a BatchNorm, a step
+    counter it writes): at stage 3 a rank holds 1/N of the frozen weights too (the parameters it holds are
+    the frozen and trainable shards plus its own buffers); the counter it writes counted every step on every
+    rank at every stage (a buffer is never sharded); the frozen weights did not move."""
+    n, res = run
+    mem = res.json(0, "memory.json")
+    full, sharded = mem["lora-0"]["parameters"], mem["lora-3"]["parameters"]
+    buffers = 4 * (1 + 2 * 12)  # the counter and the BatchNorm statistics, whole on every rank
+    assert sharded == mem["lora-3"]["expected"]["parameters"]
+    assert sharded - buffers <= (full - buffers) / n + 4 * 8 * n, (sharded, full)  # 1/N, up to padding
+    init = res.load(0, "lora-dp")
+    for stage in (0, 1, 2, 3):
+        for r in range(n):
+            got = res.load(r, f"lora-{stage}")
+            assert got["param/steps"].tolist() == [10.0], (stage, r, got["param/steps"])
+            for name in ("embed.embedding_table", "base1.weight", "base2.bias"):
+                np.testing.assert_array_equal(got["param/" + name], init["param/" + name], err_msg=f"{stage} {name}")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -20,6 +20,7 @@ from mindspore.common.initializer import Initializer, Sparse, TruncatedNormal, i
 
 import mindzero
 from examples.gpt import GPT, LMLoss
+from mindzero.comm import AllReduceSum
 from mindzero.engine.materialize import is_lazy
 from tests.support.worker import start
 
@@ -161,6 +162,101 @@ def peak_growth(model, stage, lazy):
     return result
 
 
+class WideMLP(nn.Cell):
+    """24 layers of 1024 x 1024: 96 MiB of gradients in tensors of 4 MiB, for the stage 2 memory check."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.CellList([nn.Dense(1024, 1024, has_bias=False) for _ in range(24)])
+
+    def construct(self, x):
+        for layer in self.layers:
+            x = ops.tanh(layer(x))
+        return (x * x).mean()
+
+
+def first_step_peak(stage):
+    """Peak RSS growth (MiB) over the first step of the wide MLP at ``stage``, the graph compiled before the
+    measurement (its heap is not the step's) and the gradient bytes. The memory pool keeps its peak, so a
+    process measures the smallest expected peak first."""
+    ms.set_seed(1)
+    net = WideMLP()
+    train = mindzero.prepare_train_network(net, nn.SGD(net.trainable_params(), 0.01), zero_stage=stage)
+    x = Tensor(np.random.RandomState(2).randn(8, 1024).astype(np.float32))
+    train.compile(x)
+    train._compiled = True
+    gc.collect()
+    mindzero.release_host_memory()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status_kib("VmRSS")
+    train(x)[0].asnumpy()
+    peak = status_kib("VmHWM") - before
+    grads = sum(p.nbytes for p in net.trainable_params())
+    del train, net
+    gc.collect()
+    return dict(peak_mib=peak / 1024, grad_mib=grads / 2 ** 20, largest_mib=4.0)
+
+
+def barrier(world):
+    AllReduceSum(world)(Tensor(np.ones(1, np.float32))).asnumpy()
+
+
+def pretrained_runs(stage, path, world, lazy):
+    """The TinyLM trained 3 steps from the weights of ``path`` (a plain checkpoint of its standalone GPT):
+    loaded the plain MindSpore way before prepare (``eager``), or by ``mindzero.load_pretrained`` after it."""
+    runs = {}
+    for kind in ("eager", "loaded") + (("lazy",) if lazy else ()):
+        ms.set_seed(7)
+        if kind == "lazy":
+            with mindzero.lazy_init():
+                net = TinyLM()
+                opt = nn.Adam(net.trainable_params(), 1e-2)
+        else:
+            net = TinyLM()
+            opt = nn.Adam(net.trainable_params(), 1e-2)
+        if kind == "eager":  # the plain MindSpore way: the file's names with the wrapper's prefix
+            weights = {"lm.gpt." + k: v for k, v in ms.load_checkpoint(str(path)).items()}
+            assert not ms.load_param_into_net(net, weights, strict_load=True)[0]
+        train = mindzero.prepare_train_network(net, opt, zero_stage=stage)
+        if kind != "eager":
+            report = mindzero.load_pretrained(train, path)
+            assert report["prefix"] == "lm.gpt." and not report["missing"] and not report["unexpected"], report
+        out = {"init/" + k: v for k, v in mindzero.gather_full_state_dict(train).items()}
+        rng = np.random.RandomState(100 + world.world_rank)
+        out["losses"] = np.array([float(train(*[Tensor(a) for a in TinyLM.batch(rng)])[0].asnumpy())
+                                  for _ in range(STEPS)])
+        out.update({"final/" + k: v for k, v in mindzero.gather_full_state_dict(train).items()})
+        runs[kind] = out
+    return runs
+
+
+def load_peak(path, world):
+    """Peak RSS growth (MiB) while ``load_pretrained`` loads the 256 MiB plain file of the wide network into a
+    lazily built stage-3 step, and (the control: the measurement sees a full model) while MindSpore's own
+    ``load_checkpoint`` reads it."""
+    net, opt = build("wide", True, seed=3)
+    train = mindzero.prepare_train_network(net, opt, zero_stage=3)
+    gc.collect()
+    mindzero.release_host_memory()
+    result = {}
+    for what in ("load_pretrained", "mindspore.load_checkpoint"):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = status_kib("VmRSS")
+        if what == "load_pretrained":
+            mindzero.load_pretrained(train, path)
+            loaded = {k: float(np.abs(v).sum()) for k, v in mindzero.gather_full_state_dict(train).items()}
+        else:
+            full = ms.load_checkpoint(str(path))
+        result[what] = (status_kib("VmHWM") - before) / 1024
+    rep = mindzero.memory_report(train)
+    result.update(held_mib=(rep["parameters"] + rep["optimizer_states"]) / 2 ** 20, largest_mib=8.0,
+                  same_values=all(abs(loaded[k] - float(np.abs(full[k].asnumpy()).sum())) < 1e-3 * loaded[k] + 1e-6
+                                  for k in loaded))
+    return result
+
+
 def seed_mismatch(stage, world):
     seed = 11 if world.world_rank == world.world_size - 1 else 7
     ms.set_seed(seed)
@@ -181,7 +277,20 @@ def main():
     world, out_dir = worker.world, worker.rank_dir
     memory = {"lazy-3": peak_growth("wide", 3, True), "lazy-2": peak_growth("wide", 2, True),
               "eager-3": peak_growth("wide", 3, False)}  # lazy first: a fresh process
+    # the smallest expected step peak first (the memory pool keeps its peak): stage 2, then stage 1, the control
+    memory.update({f"step-{stage}": first_step_peak(stage) for stage in (2, 1)})
+    files = worker.out / "pretrained"
+    if world.world_rank == 0:  # plain checkpoints, as mindspore.save_checkpoint writes them
+        files.mkdir(exist_ok=True)
+        ms.set_seed(5)
+        ms.save_checkpoint(GPT(50, 32, 2, 4, 8, tied=False), str(files / "gpt.ckpt"))  # standalone: no prefix
+        ms.save_checkpoint(build("wide", False, seed=4)[0], str(files / "wide.ckpt"))
+    barrier(world)
+    memory["load-3"] = load_peak(files / "wide.ckpt", world)
     (out_dir / "memory.json").write_text(json.dumps(memory, indent=1))
+    for stage in (int(s) for s in worker.args.stages.split(",")):
+        for kind, arrays in pretrained_runs(stage, files / "gpt.ckpt", world, lazy=stage == 3).items():
+            np.savez(out_dir / f"pretrained-{stage}-{kind}.npz", **arrays)
     for model in ("lm", "zoo", "vit"):
         for stage in (int(s) for s in worker.args.stages.split(",")):
             for lazy in (False, True):

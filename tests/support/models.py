@@ -125,14 +125,53 @@ class TinyResNet(nn.Cell):
         return x, (np.argmax(x.mean(axis=(2, 3)) @ TEACHER.randn(3, 4), axis=1)).astype(np.int32)
 
 
-MODELS = {"mixed": MixedNet, "awkward": AwkwardNet, "gpt": TinyGPT, "resnet": TinyResNet}
+class LoraNet(nn.Cell):
+    """(e) adapter fine-tuning: a frozen embedding and frozen base layers, trainable rank-2 adapters on them, a
+    BatchNorm (trainable scale, per-rank statistics), and a step counter the network writes itself
+    (``ops.assign_add``: a buffer, which must stay per rank)."""
+
+    VOCAB, DIM, RANK = 23, 12, 2
+
+    def __init__(self):
+        super().__init__()
+        d, r = self.DIM, self.RANK
+        self.embed = nn.Embedding(self.VOCAB, d)
+        self.base1 = nn.Dense(d, d)
+        self.base2 = nn.Dense(d, 5)
+        for p in (*self.embed.get_parameters(), *self.base1.get_parameters(), *self.base2.get_parameters()):
+            p.requires_grad = False  # the frozen backbone
+        self.a1 = Parameter(Tensor(np.zeros((d, r), np.float32)), name="a1")
+        self.b1 = Parameter(Tensor(np.zeros((r, d), np.float32)), name="b1")
+        self.a2 = Parameter(Tensor(np.zeros((d, r), np.float32)), name="a2")
+        self.b2 = Parameter(Tensor(np.zeros((r, 5), np.float32)), name="b2")
+        self.bn = nn.BatchNorm1d(d)
+        self.steps = Parameter(Tensor(np.zeros((1,), np.float32)), name="steps", requires_grad=False)
+        self.loss = nn.MSELoss()
+
+    def construct(self, tokens, y):
+        ops.assign_add(self.steps, ops.ones((1,), ms.float32))
+        h = self.embed(tokens).mean(axis=1)
+        h = self.base1(h) + ops.matmul(ops.matmul(h, self.a1), self.b1)
+        h = ops.relu(self.bn(h))
+        return self.loss(self.base2(h) + ops.matmul(ops.matmul(h, self.a2), self.b2), y)
+
+    @classmethod
+    def batch(cls, rng, n=4):
+        tokens = rng.randint(0, cls.VOCAB, size=(n, 6)).astype(np.int32)
+        return tokens, np.tanh(np.eye(cls.VOCAB, 5, dtype=np.float32)[tokens].mean(axis=1) * 3)
+
+
+MODELS = {"mixed": MixedNet, "awkward": AwkwardNet, "gpt": TinyGPT, "resnet": TinyResNet, "lora": LoraNet}
 
 
 def build(name, seed=0):
-    """A fresh network whose trainable parameters come from a numpy RNG, identical across runs and ranks."""
+    """A fresh network whose parameters (trainable and frozen; not buffers such as BatchNorm's statistics or a
+    step counter) come from a numpy RNG, identical across runs and ranks."""
     net = MODELS[name]()
     rng = np.random.RandomState(seed)
-    for p in sorted(net.trainable_params(), key=lambda q: q.name):
+    params = [p for p in net.get_parameters() if p.requires_grad or name == "lora" and "moving_" not in p.name
+              and p.name != "steps"]
+    for p in sorted(params, key=lambda q: q.name):
         scale = 0.5 / np.sqrt(max(1, p.shape[-1] if p.shape else 1))
         p.set_data(Tensor((rng.randn(*p.shape) * scale).astype(np.float32), p.dtype))
     return net
@@ -149,7 +188,7 @@ OPTIMIZERS = {
     "momentum": lambda ps: nn.Momentum(ps, 0.05, 0.9),
 }
 #: the optimizer each model trains with unless a test says otherwise
-DEFAULT_OPTIMIZER = {"mixed": "adamw_groups", "awkward": "adam", "gpt": "sgd", "resnet": "momentum"}
+DEFAULT_OPTIMIZER = {"mixed": "adamw_groups", "awkward": "adam", "gpt": "sgd", "resnet": "momentum", "lora": "adamw"}
 
 
 def make_optimizer(kind: str, net):

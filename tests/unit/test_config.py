@@ -38,11 +38,12 @@ def test_bad_config(field, value, rule):
         ZeroConfig(**{field: value})
 
 
-def _plan(n):
-    # 105 + 4369 + 1 elements, all fp32; one replicated bias of 5
+def _plan(n, shard_frozen=True):
+    # 105 + 4369 + 1 elements, all fp32; one replicated bias of 5; a buffer of 3; a frozen weight of 6
     infos = [ParamInfo("a", (7, 15)), ParamInfo("b", (17, 257)), ParamInfo("c", ()),
-             ParamInfo("bias", (5,), parallel_optimizer=False), ParamInfo("bn.mean", (3,), optimized=False)]
-    return PartitionPlan.build(infos, n, 0)
+             ParamInfo("bias", (5,), parallel_optimizer=False), ParamInfo("bn.mean", (3,), optimized=False, written=True),
+             ParamInfo("frozen", (6,), optimized=False)]
+    return PartitionPlan.build(infos, n, 0, shard_frozen=shard_frozen)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
@@ -50,7 +51,7 @@ def test_expected_bytes_by_hand(n):
     ss = [-(-105 // n), -(-4369 // n), -(-1 // n)]
     sharded_shard = 4 * sum(ss)
     full_opt = 4 * (105 + 4369 + 1 + 5)  # optimized parameters
-    everything = full_opt + 4 * 3
+    everything = full_opt + 4 * 3 + 4 * 6
     e0 = expected_bytes(_plan(n), STAGES[0], n_states=2, accumulate=True)
     assert e0 == dict(parameters=everything, gradients=full_opt, optimizer_states=2 * full_opt,
                       optimizer_moments=2 * full_opt, master_shards=0, ema=0)
@@ -60,7 +61,10 @@ def test_expected_bytes_by_hand(n):
     e2 = expected_bytes(_plan(n), STAGES[2], 2, True)
     assert e2["gradients"] == sharded_shard + 20
     e3 = expected_bytes(_plan(n), STAGES[3], 2, True)
-    assert e3["parameters"] == sharded_shard + 20 + 12 and e3["master_shards"] == 0
+    # stage 3 shards the frozen weight too (no state for it); the buffer stays whole on every rank
+    assert e3["parameters"] == sharded_shard + 20 + 12 + 4 * -(-6 // n) and e3["master_shards"] == 0
+    kept = expected_bytes(_plan(n, shard_frozen=False), STAGES[3], 2, True)
+    assert kept["parameters"] == sharded_shard + 20 + 12 + 4 * 6 and kept["optimizer_states"] == e3["optimizer_states"]
     assert e3["optimizer_states"] == 2 * (sharded_shard + 20)
     assert expected_bytes(_plan(n), STAGES[3], 2, False)["gradients"] == 0
     # an EMA is held like the optimized parameters: full at stages 0-2, shards at stage 3

@@ -19,7 +19,8 @@ def expected(case):
 
 
 def test_every_golden_case_is_present():
-    assert CASES == ["hybrid_s3_ckpt", "mp_s1_ckpt", "s1_ckpt", "s1_safetensors", "s3_ckpt", "s3_safetensors"]
+    assert CASES == ["hybrid_s3_ckpt", "lora_s3_ckpt", "mp_s1_ckpt", "s1_ckpt", "s1_safetensors", "s3_ckpt",
+                     "s3_safetensors"]
 
 
 @pytest.mark.parametrize("case", CASES)

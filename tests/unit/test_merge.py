@@ -12,16 +12,18 @@ import pytest
 from mindzero.checkpoint.tensor_io import CkptReader, crc32_array, open_reader, open_writer
 from mindzero.checkpoint.source import MergeError
 from mindzero.checkpoint.offline import merge_checkpoint, reshard_checkpoint, verify_checkpoint
-from mindzero.core.plan import REASON_NOT_OPTIMIZED, ParamInfo, PartitionPlan
+from mindzero.core.plan import REASON_BUFFER, ParamInfo, PartitionPlan
 from mindzero.checkpoint.format import FORMAT_VERSION, SplitInfo, entry_at, split_info_name, write_marker
 
-SHAPES = {"a.weight": (7, 15), "b.weight": (17, 257), "c": (), "bn.moving_mean": (6,)}
+# a.weight, b.weight, c: optimized; bn.moving_mean: a buffer (per rank); frozen.weight: frozen (sharded at stage 3)
+SHAPES = {"a.weight": (7, 15), "b.weight": (17, 257), "c": (), "bn.moving_mean": (6,), "frozen.weight": (5, 3)}
+OPTIMIZED = ("a.weight", "b.weight", "c")
 
 
 def _arrays(seed=0):
     rng = np.random.RandomState(seed)
     full = {n: np.asarray(rng.randn(*s), np.float32) for n, s in SHAPES.items()}
-    full.update({"adam_m." + n: np.asarray(rng.randn(*s), np.float32) for n, s in SHAPES.items() if "moving" not in n})
+    full.update({"adam_m." + n: np.asarray(rng.randn(*s), np.float32) for n, s in SHAPES.items() if n in OPTIMIZED})
     full["global_step"] = np.array([7], np.int32)
     return full
 
@@ -29,7 +31,7 @@ def _arrays(seed=0):
 def write_synthetic(directory, n, stage, fmt="ckpt", seed=0, per_rank_offset=100.0):
     """A checkpoint as N ranks would save it, written with the pure writer; returns the full arrays."""
     full = _arrays(seed)
-    infos = [ParamInfo(name, shape, optimized="moving" not in name) for name, shape in SHAPES.items()]
+    infos = [ParamInfo(name, shape, optimized=name in OPTIMIZED, written="moving" in name) for name, shape in SHAPES.items()]
     plan = PartitionPlan.build(infos, n, 0)
     directory.mkdir(parents=True)
     files = {}
@@ -42,7 +44,7 @@ def write_synthetic(directory, n, stage, fmt="ckpt", seed=0, per_rank_offset=100
             spec = plan[param].for_rank(r) if param else None
             entry = entry_at(name, kind, value.shape, str(value.dtype), spec, stage, fmt)
             per_rank = entry.per_rank
-            assert per_rank == (kind == "parameter" and spec.reason == REASON_NOT_OPTIMIZED)
+            assert per_rank == (kind == "parameter" and spec.reason == REASON_BUFFER)
             piece = value + per_rank_offset * r if per_rank else value
             if entry.sharded:
                 flat = np.zeros(spec.shard_size, np.float32)
@@ -282,7 +284,7 @@ def test_cli_errors_and_summary(tmp_path):
     ok = subprocess.run([sys.executable, "-c", "import sys; from mindzero.checkpoint.cli import main_merge; "
                          f"sys.exit(main_merge(['{ck}', '-o', '{tmp_path / 'o.ckpt'}']))"],
                         capture_output=True, text=True)
-    assert ok.returncode == 0 and "merged 4 tensors" in ok.stdout, ok
+    assert ok.returncode == 0 and f"merged {len(SHAPES)} tensors" in ok.stdout, ok
     bad = subprocess.run([sys.executable, "-c", "import sys; from mindzero.checkpoint.cli import main_merge; "
                           f"sys.exit(main_merge(['{ck}', '-o', '{tmp_path / 'o.ckpt'}']))"],
                          capture_output=True, text=True)

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from mindzero.core.plan import (REASON_EMPTY, REASON_NOT_OPTIMIZED, REASON_USER, ParamInfo, PartitionPlan, ShardSpec,
-                           is_per_rank, shard_of_flat, shard_size_for)
+from mindzero.core.plan import (REASON_BUFFER, REASON_EMPTY, REASON_FROZEN, REASON_NOT_OPTIMIZED, REASON_USER, ParamInfo,
+                                PartitionPlan, ShardSpec, is_per_rank, shard_of_flat, shard_size_for)
 
 SHAPES = [(7, 15), (17, 257), (1,), (), (4, 4), (3, 1, 5), (1000,), (2, 3, 5, 7)]
 
@@ -65,23 +65,32 @@ def test_shard_of_flat_pads_and_slices():
     assert out.tolist() == flat.tolist() and out is not flat
 
 
-def test_per_rank_means_not_optimized():
-    assert is_per_rank(REASON_NOT_OPTIMIZED)
-    assert not any(is_per_rank(r) for r in ("", REASON_USER, REASON_EMPTY))
-    plan = PartitionPlan.build([ParamInfo("w", (4,)), ParamInfo("moving_mean", (4,), optimized=False)], 2, 0)
-    assert [s.per_rank for s in plan] == [False, True]
+def test_per_rank_means_a_buffer():
+    """A buffer the network writes is a per-rank value (and so is every non-optimized parameter of a plan or
+    checkpoint from before frozen weights were sharded); a frozen weight is not: it is sharded at stage 3."""
+    assert is_per_rank(REASON_BUFFER) and is_per_rank(REASON_NOT_OPTIMIZED)
+    assert not any(is_per_rank(r) for r in ("", REASON_USER, REASON_EMPTY, REASON_FROZEN))
+    plan = PartitionPlan.build([ParamInfo("w", (4,)), ParamInfo("moving_mean", (4,), optimized=False, written=True),
+                                ParamInfo("frozen", (4,), optimized=False)], 2, 0)
+    assert [s.per_rank for s in plan] == [False, True, False]
+    assert [(s.sharded, s.optimized, s.frozen) for s in plan] == [(True, True, False), (False, False, False),
+                                                                   (True, False, True)]
+    kept = PartitionPlan.build([ParamInfo("frozen", (4,), optimized=False)], 2, 0, shard_frozen=False)
+    assert not kept["frozen"].sharded and kept["frozen"].reason == REASON_FROZEN and not kept["frozen"].per_rank
 
 
 def test_plan_build_reasons():
     plan = PartitionPlan.build([
         ParamInfo("a", (7, 15)),
         ParamInfo("bias", (5,), parallel_optimizer=False),
-        ParamInfo("bn.moving_mean", (6,), optimized=False),
+        ParamInfo("bn.moving_mean", (6,), optimized=False, written=True),
+        ParamInfo("frozen", (3,), optimized=False),
         ParamInfo("empty", (0, 3)),
     ], op_size=4, op_rank=1)
-    assert [s.name for s in plan.sharded] == ["a"]
+    assert [s.name for s in plan.sharded] == ["a", "frozen"]
     assert {s.name: s.reason for s in plan.replicated} == {
-        "bias": REASON_USER, "bn.moving_mean": REASON_NOT_OPTIMIZED, "empty": REASON_EMPTY}
+        "bias": REASON_USER, "bn.moving_mean": REASON_BUFFER, "empty": REASON_EMPTY}
+    assert "2 sharded (1 of them frozen" in plan.summary()
     rep = plan["bias"]
     assert (rep.shard_size, rep.offset, rep.valid, rep.padding) == (5, 0, 5, 0)
     assert "replicated bias (5,): parallel_optimizer=False" in plan.summary()
