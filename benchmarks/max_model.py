@@ -16,6 +16,11 @@ the largest size that trains with the next larger one seen failing (or the ladde
 
 With ``--reuse``, sizes measured by earlier invocations under ``--out`` are reported too.
 
+``--finetune R``: adapter fine-tuning instead of training from scratch: the GPT's weights are frozen and loaded
+from a plain checkpoint the benchmark writes for each size (the standalone GPT, as ``mindspore.save_checkpoint``
+writes it; plain DP loads it the plain MindSpore way, mindzero with ``load_pretrained``), rank-R adapters on
+every projection train (``examples/gpt.py``: ``GPT(lora_rank=R)``), AdamWeightDecay over the adapters.
+
 Writes ``results.json``, ``results.md`` and ``max_model.png`` under ``--out``.
 """
 import argparse
@@ -35,10 +40,30 @@ GIB = 2 ** 30
 NAMES = {"dp": "plain DP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3"}
 
 
-def gpt_params(layers: int, dim: int, vocab: int, seq: int) -> int:
-    """Trainable parameters of ``examples/gpt.py``'s GPT (tied head): blocks, embeddings, final norm."""
-    block = 12 * dim * dim + 13 * dim  # qkv, proj, fc1, fc2 weights and biases, two LayerNorms
+def gpt_params(layers: int, dim: int, vocab: int, seq: int, lora: int = 0) -> int:
+    """Parameters of ``examples/gpt.py``'s GPT (tied head): blocks, embeddings, final norm (and adapters)."""
+    block = 12 * dim * dim + 13 * dim + 16 * dim * lora  # qkv, proj, fc1, fc2 weights and biases, LayerNorms
     return layers * block + vocab * dim + seq * dim + 2 * dim
+
+
+def write_pretrained(path: Path, layers: int, a) -> None:
+    """A plain checkpoint of the standalone GPT of ``layers`` blocks (no adapters), one tensor at a time (the
+    GPT is built under lazy_init: this process never holds it whole), as the pretrained model to fine-tune."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import mindspore as ms
+    from gpt import GPT
+
+    import mindzero
+    from mindzero.checkpoint.tensor_io import open_writer
+    from mindzero.engine.materialize import full_array
+
+    ms.set_seed(0)
+    with mindzero.lazy_init():
+        gpt = GPT(a.vocab, a.dim, layers, a.heads, a.seq, tied=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open_writer(path, "ckpt", []) as writer:
+        for p in gpt.get_parameters():
+            writer.write(p.name, full_array(p).astype(np.float32), "float32")
 
 
 def run(config, layers, a, out: Path) -> dict:
@@ -50,9 +75,15 @@ def run(config, layers, a, out: Path) -> dict:
             "--layers", str(layers), "--heads", str(a.heads), "--seq", str(a.seq), "--batch", str(a.batch)]
     if config != "dp":
         args.append("--lazy")
-    phi = gpt_params(layers, a.dim, a.vocab, a.seq)
+    phi = gpt_params(layers, a.dim, a.vocab, a.seq, a.finetune)
+    pretrained = None
+    if a.finetune:
+        pretrained = out / "pretrained" / f"gpt_L{layers}.ckpt"
+        if not pretrained.exists():
+            write_pretrained(pretrained, layers, a)
+        args += ["--lora", str(a.finetune), "--pretrained", str(pretrained)]
     watch, t = MemoryWatch(limit=int(a.budget_gib * GIB)), time.time()
-    outcome = dict(config=config, layers=layers, dim=a.dim, phi=phi)
+    outcome = dict(config=config, layers=layers, dim=a.dim, phi=phi, finetune=a.finetune)
     try:
         launch(ROOT / "benchmarks" / "zero_bench_worker.py", a.world, run_dir, args=args, timeout=a.timeout,
                memory=watch)
@@ -78,12 +109,16 @@ def run(config, layers, a, out: Path) -> dict:
 
 
 def start_index(config, a) -> int:
-    """The largest ladder size whose formula bytes plus the per-rank overhead fit the budget."""
+    """The largest ladder size whose formula bytes plus the per-rank overhead fit the budget (fine-tuning: the
+    frozen fp32 weights, whole or 1/N at stage 3)."""
     stage = 0 if config == "dp" else int(config)
     best = 0
     for i, layers in enumerate(a.ladder):
-        phi = gpt_params(layers, a.dim, a.vocab, a.seq)
-        per_rank = sum(paper_formula(phi, stage, a.world, mixed_precision=False).values()) + a.overhead_gib * GIB
+        phi = gpt_params(layers, a.dim, a.vocab, a.seq, a.finetune)
+        if a.finetune:
+            per_rank = 4 * phi / (a.world if stage == 3 else 1) + a.overhead_gib * GIB
+        else:
+            per_rank = sum(paper_formula(phi, stage, a.world, mixed_precision=False).values()) + a.overhead_gib * GIB
         if per_rank * a.world <= a.budget_gib * GIB:
             best = i
     return best
@@ -107,7 +142,8 @@ def search(config, a, out: Path) -> list:
 def earlier(config, a, out: Path) -> list:
     """Outcomes of ``config`` saved under ``out`` by earlier runs with the same model settings."""
     found = [json.loads(f.read_text()) for f in sorted(out.glob(f"{config}_L*/outcome.json"))]
-    return [o for o in found if o["dim"] == a.dim and o["phi"] == gpt_params(o["layers"], a.dim, a.vocab, a.seq)]
+    return [o for o in found if o["dim"] == a.dim and o.get("finetune", 0) == a.finetune
+            and o["phi"] == gpt_params(o["layers"], a.dim, a.vocab, a.seq, a.finetune)]
 
 
 def largest(outcomes):
@@ -116,9 +152,11 @@ def largest(outcomes):
 
 
 def markdown(results, a, command) -> str:
+    what = (f"adapter fine-tuning (rank {a.finetune} adapters on every projection, the GPT frozen and loaded from "
+            "a plain checkpoint), AdamWeightDecay over the adapters" if a.finetune else "fp32 AdamWeightDecay")
     lines = [f"`{command}`", "",
              f"{a.world} ranks, GPT width {a.dim}, vocabulary {a.vocab}, batch {a.batch} x {a.seq} tokens per rank, "
-             f"fp32 AdamWeightDecay, 3 steps, budget {a.budget_gib:g} GiB of RSS for the whole job.", "",
+             f"{what}, {a.steps} steps, budget {a.budget_gib:g} GiB of RSS for the whole job.", "",
              "| config | layers | parameters | trains | job peak RSS GiB | rank peak above init GiB | "
              "first step s | step s |", "|---|---|---|---|---|---|---|---|"]
     for config, outcomes in results.items():
@@ -177,6 +215,8 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=5400)
     ap.add_argument("--out", default="runs/max_model")
     ap.add_argument("--reuse", action="store_true", help="reuse finished sizes under --out")
+    ap.add_argument("--finetune", type=int, default=0, metavar="R",
+                    help="adapter fine-tuning with rank-R adapters on a frozen GPT loaded from a plain checkpoint")
     a = ap.parse_args(argv)
     a.ladder = [int(x) for x in a.ladder.split(",")]
     out = Path(a.out).resolve()
@@ -193,6 +233,8 @@ def main(argv=None):
                                                       args=vars(a), results=results), indent=1))
     (out / "results.md").write_text(table + "\n")
     chart(results, a, out / "max_model.png")
+    for f in (out / "pretrained").glob("*.ckpt"):  # the plain checkpoints are inputs, large and rebuilt on demand
+        f.unlink()
     print(f"wrote {out}/results.json, results.md, max_model.png in {time.time() - start:.0f}s")
     return 0
 

@@ -73,7 +73,8 @@ class Phases:
 
 def parse_args():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", required=True, help="dp, or a zero stage 0-3")
+    ap.add_argument("--config", required=True, help="dp, or a zero stage 0-3; '2bfs'/'3bfs': that stage compiled in "
+                    "MindSpore's default kernel order instead of depth-first (what it did before; docs/stages.md)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=10, help="steps after the first")
     add_model_args(ap)
@@ -84,6 +85,10 @@ def parse_args():
     ap.add_argument("--lazy", action="store_true", help="build the model under mindzero.lazy_init()")
     ap.add_argument("--time-collectives", action="store_true",
                     help="plain DP: time an all-reduce of Φ floats and an all-gather of Φ/N per rank")
+    ap.add_argument("--lora", type=int, default=0, help="fine-tuning: adapters of this rank on every projection, "
+                    "everything else frozen, the optimizer over the adapters")
+    ap.add_argument("--pretrained", help="a plain checkpoint of the GPT (no adapters) to start from: plain DP loads it "
+                    "before training (load_checkpoint + load_param_into_net), mindzero with load_pretrained")
     return ap.parse_args()
 
 
@@ -94,14 +99,25 @@ def build(a, lazy: bool):
     import mindzero
 
     ms.set_seed(0)
+    lora = getattr(a, "lora", 0)
     if lazy:
         with mindzero.lazy_init():
-            net = LMLoss(GPT(a.vocab, a.dim, a.layers, a.heads, a.seq, tied=True))
+            net = LMLoss(GPT(a.vocab, a.dim, a.layers, a.heads, a.seq, tied=True, lora_rank=lora))
             opt = nn.AdamWeightDecay(net.trainable_params(), 1e-4, weight_decay=0.01)
     else:
-        net = LMLoss(GPT(a.vocab, a.dim, a.layers, a.heads, a.seq, tied=True))
+        net = LMLoss(GPT(a.vocab, a.dim, a.layers, a.heads, a.seq, tied=True, lora_rank=lora))
         opt = nn.AdamWeightDecay(net.trainable_params(), 1e-4, weight_decay=0.01)
     return net, opt
+
+
+def load_plain(net, path):
+    """Plain DP's way to start from a pretrained file: MindSpore reads it whole, then copies it into the network
+    (the file is the standalone GPT's: its names without the wrapper's ``gpt.``)."""
+    import mindspore as ms
+
+    weights = {"gpt." + k: v for k, v in ms.load_checkpoint(path).items()}
+    not_loaded, unused = ms.load_param_into_net(net, weights)
+    assert not unused and all("_lora." in n for n in not_loaded), (not_loaded[:3], unused[:3])
 
 
 def time_collectives(phi, world):
@@ -155,6 +171,8 @@ def main():
         loss_cell.ce.to_float(ms.float32)
     phases.end("build")
     if a.config == "dp":
+        if a.pretrained:
+            load_plain(net, a.pretrained)
         train = nn.TrainOneStepCell(net, opt)
         train.set_train()
     else:
@@ -162,12 +180,19 @@ def main():
         if a.bucket_mib:
             size = int(a.bucket_mib * 2 ** 20)
             fusion = {k: {"openstate": True, "bucket_size": size} for k in ("allreduce", "reduce_scatter", "allgather")}
-        train = mindzero.prepare_train_network(net, opt, zero_stage=int(a.config), comm_fusion=fusion,
+        train = mindzero.prepare_train_network(net, opt, zero_stage=int(a.config[0]), comm_fusion=fusion,
                                                stage3_regather=not a.no_regather,
                                                param_dtype="float16" if a.fp16 else None)
+        if a.config.endswith("bfs"):
+            train.exec_order = None  # MindSpore's default order (bfs), as before the depth-first compile
+        if a.pretrained:
+            report = mindzero.load_pretrained(train, a.pretrained, strict=False)
+            assert report["prefix"] == "gpt." and not report["unexpected"] and not report["mismatched"], report
+            assert all("_lora." in n for n in report["missing"]), report["missing"][:3]
     phases.end("prepare")
-    phi = sum(int(np.prod(s)) for s in (p.shape for p in opt.parameters)) if a.config == "dp" else \
-        sum(s.numel for s in train.zero_info.plan if s.reason != "not updated by the optimizer (buffer or frozen)")
+    phi = sum(int(np.prod(p.shape)) for p in net.get_parameters() if "moving_" not in p.name)  # every weight
+    trainable = sum(int(np.prod(p.shape)) for p in opt.parameters) if a.config == "dp" else \
+        sum(s.numel for s in train.zero_info.plan if s.optimized)
     rng = np.random.RandomState(world.world_rank)
     times, losses, overflows = [], [], 0
     for i in range(1 + a.steps):
@@ -184,7 +209,8 @@ def main():
             phases.end("first_step")
     if a.steps:
         phases.end("steady")
-    result = dict(config=a.config, world=world.world_size, rank=world.world_rank, phi=phi, lazy=a.lazy,
+    result = dict(config=a.config, world=world.world_size, rank=world.world_rank, phi=phi, trainable=trainable,
+                  lora=a.lora, pretrained=bool(a.pretrained), lazy=a.lazy,
                   first_step_s=times[0], times=times[1:], losses=losses, phases=phases.rows,
                   bucket_mib=a.bucket_mib, regather=not a.no_regather, fp16=a.fp16, overflows=overflows,
                   model=dict(vocab=a.vocab, dim=a.dim, layers=a.layers, heads=a.heads, seq=a.seq, batch=a.batch))

@@ -32,10 +32,25 @@ class CharTokenizer:
         return "".join(self.chars[int(i)] for i in ids)
 
 
-class Block(nn.Cell):
-    """Pre-LayerNorm transformer block: causal self-attention and an MLP."""
+class Adapter(nn.Cell):
+    """A low-rank adapter (LoRA) beside a frozen projection: ``x @ a @ b`` with ``a`` (in, r) normal and ``b``
+    (r, out) zero at the start, so the adapted network starts as the base one."""
 
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, d_in: int, d_out: int, rank: int):
+        super().__init__()
+        self.a = Parameter(Tensor(np.random.RandomState(d_in + rank).randn(d_in, rank).astype(np.float32) * 0.02),
+                           name="a")
+        self.b = Parameter(Tensor(np.zeros((rank, d_out), np.float32)), name="b")
+
+    def construct(self, x):
+        return ops.matmul(ops.matmul(x, ops.cast(self.a, x.dtype)), ops.cast(self.b, x.dtype))
+
+
+class Block(nn.Cell):
+    """Pre-LayerNorm transformer block: causal self-attention and an MLP; with ``lora_rank`` > 0 an
+    :class:`Adapter` beside each of its four projections (qkv, proj, fc1, fc2)."""
+
+    def __init__(self, dim: int, heads: int, lora_rank: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm((dim,))
         self.qkv = nn.Dense(dim, 3 * dim)
@@ -44,11 +59,27 @@ class Block(nn.Cell):
         self.fc1 = nn.Dense(dim, 4 * dim)
         self.fc2 = nn.Dense(4 * dim, dim)
         self.heads = heads
+        self.lora = lora_rank > 0
+        if self.lora:
+            self.qkv_lora = Adapter(dim, 3 * dim, lora_rank)
+            self.proj_lora = Adapter(dim, dim, lora_rank)
+            self.fc1_lora = Adapter(dim, 4 * dim, lora_rank)
+            self.fc2_lora = Adapter(4 * dim, dim, lora_rank)
+
+    def _qkv(self, x):
+        return self.qkv(x) + self.qkv_lora(x) if self.lora else self.qkv(x)
+
+    def _proj(self, x):
+        return self.proj(x) + self.proj_lora(x) if self.lora else self.proj(x)
+
+    def _mlp(self, x):
+        h = ops.gelu(self.fc1(x) + self.fc1_lora(x) if self.lora else self.fc1(x))
+        return self.fc2(h) + self.fc2_lora(h) if self.lora else self.fc2(h)
 
     def construct(self, x):
         b, t, d = x.shape
         hd = d // self.heads
-        q, k, v = ops.split(self.qkv(self.ln1(x)), d, axis=-1)
+        q, k, v = ops.split(self._qkv(self.ln1(x)), d, axis=-1)
         q = q.reshape(b, t, self.heads, hd).transpose(0, 2, 1, 3)
         k = k.reshape(b, t, self.heads, hd).transpose(0, 2, 1, 3)
         v = v.reshape(b, t, self.heads, hd).transpose(0, 2, 1, 3)
@@ -56,23 +87,27 @@ class Block(nn.Cell):
         mask = ops.triu(ops.ones((t, t), ms.float32), 1) * -1e9
         att = ops.softmax(ops.cast(att, ms.float32) + mask, axis=-1)  # in fp32 also when the block runs in fp16
         y = ops.matmul(ops.cast(att, v.dtype), v).transpose(0, 2, 1, 3).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.fc2(ops.gelu(self.fc1(self.ln2(x))))
+        x = x + self._proj(y)
+        return x + self._mlp(self.ln2(x))
 
 
 class GPT(nn.Cell):
-    """Token + position embeddings, ``layers`` blocks, final LayerNorm, head tied to the embedding or not."""
+    """Token + position embeddings, ``layers`` blocks, final LayerNorm, head tied to the embedding or not.
+    ``lora_rank`` > 0: adapters in every block and everything else frozen (:func:`freeze_all_but_adapters`)."""
 
-    def __init__(self, vocab: int, dim: int = 64, layers: int = 2, heads: int = 4, seq: int = 32, tied: bool = True):
+    def __init__(self, vocab: int, dim: int = 64, layers: int = 2, heads: int = 4, seq: int = 32, tied: bool = True,
+                 lora_rank: int = 0):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = Parameter(Tensor(np.random.RandomState(1).randn(seq, dim).astype(np.float32) * 0.02), name="pos")
-        self.blocks = nn.SequentialCell([Block(dim, heads) for _ in range(layers)])
+        self.blocks = nn.SequentialCell([Block(dim, heads, lora_rank) for _ in range(layers)])
         self.ln_f = nn.LayerNorm((dim,))
         self.tied = tied
         if not tied:
             self.head = nn.Dense(dim, vocab, has_bias=False)
         self.vocab = vocab
+        if lora_rank:
+            freeze_all_but_adapters(self)
 
     def construct(self, tokens):
         t = tokens.shape[1]
@@ -80,6 +115,12 @@ class GPT(nn.Cell):
         if self.tied:
             return ops.matmul(h, ops.cast(self.embed.embedding_table, h.dtype).T)  # (another Cell's: not auto-cast)
         return self.head(h)
+
+
+def freeze_all_but_adapters(net: nn.Cell) -> None:
+    """Adapter fine-tuning: only the adapters (``*_lora.a``, ``*_lora.b``) train; the rest is frozen."""
+    for p in net.get_parameters():
+        p.requires_grad = "_lora." in p.name
 
 
 class LMLoss(nn.Cell):

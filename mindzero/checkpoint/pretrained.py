@@ -99,12 +99,19 @@ def _check_pretrained(train_net, path: Path, strict: bool, prefix: str):
     report = {"loaded": sorted(n for n in wanted if n.startswith(prefix) and n[len(prefix):] in stored and n not in bad),
               "missing": missing, "unexpected": unexpected, "mismatched": mismatched, "prefix": prefix}
     if strict and (missing or unexpected or mismatched):
-        detail = [f"the network has parameters the file lacks: {missing[:5]}" if missing else "",
-                  f"the file has tensors that are no parameter of the network: {unexpected[:5]}" if unexpected else "",
-                  "; ".join(f"{n}: file {a}, network {b}" for n, a, b in mismatched[:5])]
+        detail = [f"the network has parameters the file lacks: {_some(missing)}" if missing else "",
+                  f"the file has tensors that are no parameter of the network: {_some(unexpected)}" if unexpected
+                  else "",
+                  f"shapes differ ({len(mismatched)}): " + "; ".join(f"{n}: file {a}, network {b}"
+                                                                    for n, a, b in mismatched[:5]) if mismatched else ""]
         raise CheckpointError(f"{path}: does not match the network (strict=True; prefix={prefix!r}): "
                               + "; ".join(d for d in detail if d))
     return reader, report
+
+
+def _some(names: list, shown: int = 5) -> str:
+    """The first ``shown`` names, and how many more there are."""
+    return f"{names[:shown]}" + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _find_prefix(stored: set, wanted: dict) -> str:

@@ -177,8 +177,9 @@ class WideMLP(nn.Cell):
 
 def first_step_peak(stage):
     """Peak RSS growth (MiB) over the first step of the wide MLP at ``stage``, the graph compiled before the
-    measurement (its heap is not the step's) and the gradient bytes. The memory pool keeps its peak, so a
-    process measures the smallest expected peak first."""
+    measurement (its heap is not the step's) and the gradient bytes. MindSpore's memory pool keeps its peak
+    for the process, so a later measurement grows only by what it needs beyond the earlier ones' peak (see
+    ``test_stage2_frees_each_gradient_as_backward_produces_it``)."""
     ms.set_seed(1)
     net = WideMLP()
     train = mindzero.prepare_train_network(net, nn.SGD(net.trainable_params(), 0.01), zero_stage=stage)
@@ -246,10 +247,11 @@ def load_peak(path, world):
         before = status_kib("VmRSS")
         if what == "load_pretrained":
             mindzero.load_pretrained(train, path)
+            result[what] = (status_kib("VmHWM") - before) / 1024
             loaded = {k: float(np.abs(v).sum()) for k, v in mindzero.gather_full_state_dict(train).items()}
         else:
             full = ms.load_checkpoint(str(path))
-        result[what] = (status_kib("VmHWM") - before) / 1024
+            result[what] = (status_kib("VmHWM") - before) / 1024
     rep = mindzero.memory_report(train)
     result.update(held_mib=(rep["parameters"] + rep["optimizer_states"]) / 2 ** 20, largest_mib=8.0,
                   same_values=all(abs(loaded[k] - float(np.abs(full[k].asnumpy()).sum())) < 1e-3 * loaded[k] + 1e-6

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "multirank"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
