@@ -8,7 +8,9 @@ or with msrun / mpirun directly (see docs/launch.md):
         examples/train_gpt.py --config examples/configs/gpt_stage2.yaml --out runs/gpt_stage2
 
 ``zero.stage`` may be a list: the stages then run one after the other in one launch, from
-the same initial weights on the same data, and rank 0 prints a table comparing them.
+the same initial weights on the same data, and rank 0 prints a table comparing them; with
+``zero.plain_dp: true`` plain data parallel (MindSpore's ``nn.TrainOneStepCell``) runs first, and the
+table gives each stage's measured difference from it.
 Every stage writes into ``OUT/stage_<s>/``: ``checkpoints/step_<n>`` (mindzero checkpoints,
 the newest ``train.keep_checkpoints`` kept), ``history.json`` (losses), ``loss.png``,
 ``final_model.ckpt`` (merged, loads into the plain network) and ``samples.txt``.
@@ -47,6 +49,7 @@ def load_config(path, stage_override=None) -> dict:
     for section, values in DEFAULTS.items():
         cfg[section] = {**values, **cfg.get(section, {})}
     stages = cfg.get("zero", {}).get("stage", 2) if stage_override is None else stage_override
+    cfg["plain_dp"] = bool(cfg.get("zero", {}).get("plain_dp", False)) and stage_override is None
     cfg["stages"] = [int(s) for s in (stages if isinstance(stages, list) else [stages])]
     bad = [s for s in cfg["stages"] if s not in (0, 1, 2, 3)]
     if bad:
@@ -54,7 +57,8 @@ def load_config(path, stage_override=None) -> dict:
     return cfg
 
 
-def build(cfg, vocab, stage, verbose):
+def build_network(cfg, vocab):
+    """The GPT with its loss (the same initial weights on every rank and in every run) and its optimizer."""
     m, t = cfg["model"], cfg["train"]
     gpt = GPT(vocab, m["dim"], m["layers"], m["heads"], m["seq"], m["tied"])
     init_params(gpt)
@@ -64,11 +68,47 @@ def build(cfg, vocab, stage, verbose):
     no_decay = [p for p in params if len(p.shape) < 2]
     opt = nn.AdamWeightDecay([{"params": decay, "weight_decay": t["weight_decay"]},
                               {"params": no_decay, "weight_decay": 0.0}], learning_rate=t["lr"])
+    return net, opt
+
+
+def build(cfg, vocab, stage, verbose):
+    t = cfg["train"]
+    net, opt = build_network(cfg, vocab)
     train = mindzero.prepare_train_network(net, opt, zero_stage=stage, clip_grad=t["clip_grad"],
                                            clip_norm=t["clip_norm"],
                                            gradient_accumulation_steps=t["gradient_accumulation_steps"],
                                            verbose=verbose)
     return train
+
+
+def run_plain_dp(cfg, ids, tok, world, log):
+    """The reference: plain data parallel, MindSpore's own ``nn.TrainOneStepCell`` (its gradient all-reduce under
+    the DATA_PARALLEL context) on the same weights and data; no clipping or accumulation (it has neither)."""
+    t = cfg["train"]
+    if t["clip_grad"] or t["gradient_accumulation_steps"] != 1:
+        raise ValueError("zero.plain_dp: true needs train.clip_grad: false and train.gradient_accumulation_steps: 1 "
+                         "(MindSpore's nn.TrainOneStepCell does neither; docs/parity.md)")
+    net, opt = build_network(cfg, tok.vocab_size)
+    train = nn.TrainOneStepCell(net, opt)
+    train.set_train()
+    data = batches(ids, t["batch"], cfg["model"]["seq"], world.world_rank, world.world_size, seed=1)
+    losses = []
+    for step in range(t["steps"]):
+        x, y = next(data)
+        losses.append(float(train(Tensor(x), Tensor(y)).asnumpy()))
+        if (step + 1) % t["log_every"] == 0 or step + 1 == t["steps"]:
+            log(f"plain DP step {step + 1:5d}/{t['steps']} loss {losses[-1]:.4f}")
+    states = [p for p in opt.get_parameters() if p.name.startswith(("adam_m.", "adam_v."))]
+    held = [sum(p.nbytes for p in net.get_parameters()), 0, sum(p.nbytes for p in states)]
+    per_rank = AllGather(world, "world")(Tensor(np.array(held + held, np.int64))).asnumpy()
+    params = {p.name: p.asnumpy() for p in net.trainable_params()}
+    return dict(losses=losses, bytes_per_rank=per_rank.reshape(world.world_size, -1).tolist(), params=params)
+
+
+def rel_diff(a, b) -> float:
+    """``max|a - b| / max|b|``: how docs/parity.md measures."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
 def write_json(path: Path, obj) -> None:
@@ -190,22 +230,27 @@ def plot(curves, path: Path, title: str, uniform: float) -> None:
 
 def print_table(results, n, vocab, log):
     first = next(iter(results.values()))
+    ref = "plain DP" if "dp" in results else "stage " + str(next(iter(results)))
     log(f"\nGPT on {n} ranks (vocab {vocab}); uniform-guess loss {np.log(vocab):.3f}; "
         f"first-step loss {first['losses'][0]:.4f}")
-    log("| stage | final loss | max rel. param diff vs first stage | rank | params MiB | grads MiB "
+    log(f"| run | final loss | max rel. diff vs {ref}: losses | params | rank | params MiB | grads MiB "
         "| optimizer MiB | expected (p/g/o) MiB |")
-    log("|---|---|---|---|---|---|---|---|")
-    for stage, r in results.items():
+    log("|---|---|---|---|---|---|---|---|---|")
+    for key, r in results.items():
+        name = "plain DP" if key == "dp" else f"stage {key}"
         for rank, row in enumerate(r["bytes_per_rank"]):
-            lead = (f"| {stage} | {r['losses'][-1]:.6f} | {r['param_drift_vs_first']:.1e} " if rank == 0
-                    else "| | | ")
-            log(lead + f"| {rank} | {mib(row[0])} | {mib(row[1])} | {mib(row[2])} "
-                f"| {mib(row[3])}/{mib(row[4])}/{mib(row[5])} |")
-    if len({round(r["losses"][-1], 6) for r in results.values()}) > 1:
-        log("\nWith gradient accumulation, stages 0-1 reduce the accumulated gradient once per update and stages\n"
-            "2-3 every micro-batch: the same sums in another order. They differ by rounding, which training\n"
-            "amplifies (one ulp in one weight of this GPT grows to 0.67 relative in 40 steps, see docs/parity.md);\n"
-            "without accumulation all stages are bit-identical.")
+            lead = (f"| {name} | {r['losses'][-1]:.6f} | {r['loss_diff']:.1e} | {r['param_diff']:.1e} " if rank == 0
+                    else "| | | | ")
+            expected = "-" if key == "dp" else f"{mib(row[3])}/{mib(row[4])}/{mib(row[5])}"
+            log(lead + f"| {rank} | {mib(row[0])} | {mib(row[1])} | {mib(row[2])} | {expected} |")
+    log("(bytes a rank holds between steps: gradients are persistent only as accumulation buffers; stage 2's "
+        "saving is in the peak during backward, docs/performance.md)")
+    if all(r["loss_diff"] == 0 and r["param_diff"] == 0 for r in results.values()):
+        log(f"Every stage equals {ref} bit for bit: every loss and every final parameter.")
+    else:
+        log(f"Stages differ from {ref} by rounding: with gradient accumulation stages 0-1 reduce the accumulated\n"
+            "gradient once per update and stages 2-3 every micro-batch (the same sums in another order), which\n"
+            "training amplifies; see docs/parity.md. Without accumulation they are bit-identical.")
 
 
 def main():
@@ -231,20 +276,25 @@ def main():
         f"{cfg['train']['gradient_accumulation_steps']} micro-batches of {cfg['train']['batch']} x "
         f"{cfg['model']['seq']} tokens per rank; corpus {len(ids):,} characters, vocab {tok.vocab_size}")
     results, ref = {}, None
-    for stage in cfg["stages"]:
-        r = run_stage(stage, cfg, ids, tok, world, out, not args.no_resume, args.stop_after, log)
+    runs = (["dp"] if cfg["plain_dp"] and not args.stop_after else []) + cfg["stages"]
+    for stage in runs:
+        if stage == "dp":
+            r = run_plain_dp(cfg, ids, tok, world, log)
+        else:
+            r = run_stage(stage, cfg, ids, tok, world, out, not args.no_resume, args.stop_after, log)
         if r is None:
             break
         params = r.pop("params")
-        ref = ref or params
-        r["param_drift_vs_first"] = max(float(np.max(np.abs(params[n] - ref[n])) / max(np.max(np.abs(ref[n])), 1e-12))
-                                        for n in params)
+        ref = ref or dict(r, params=params)  # the first run: plain DP if it ran
+        r["loss_diff"] = rel_diff(r["losses"], ref["losses"])
+        r["param_diff"] = max(rel_diff(params[n], ref["params"][n]) for n in params)
         results[stage] = r
     if world.world_rank == 0 and results:
         write_json(out / "results.json", results)
         if len(results) > 1:
             print_table(results, world.world_size, tok.vocab_size, log)
-            curves = [(f"stage {s}", json.loads((out / f"stage_{s}" / "history.json").read_text())) for s in results]
+            curves = [(f"stage {s}", json.loads((out / f"stage_{s}" / "history.json").read_text()))
+                      for s in results if s != "dp"]
             plot(curves, out / "loss_all_stages.png", f"GPT on {world.world_size} ranks, ZeRO stages",
                  np.log(tok.vocab_size))
     finish_rank(out, world.world_rank)  # what mindzero.local_launch waits for

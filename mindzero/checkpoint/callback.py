@@ -38,9 +38,13 @@ PREFIX = "step_"
 class ZeroCheckpoint(Callback):
     """Save mindzero checkpoints during ``Model.train`` and resume from the newest complete one.
 
+    Written as MindSpore's ``ModelCheckpoint``: ``ZeroCheckpoint("ckpts", save_every=100)`` finds the train
+    step in ``Model.train``'s run context; ``ZeroCheckpoint(train_net, "ckpts", ...)`` (the network first) works
+    too.
+
     Args:
-        train_net: the train step from :func:`mindzero.prepare_train_network`, the one ``Model`` trains.
-        directory: where the checkpoints go (``step_<n>`` directories).
+        directory: where the checkpoints go (``step_<n>`` directories); or the train step from
+            :func:`mindzero.prepare_train_network`, the one ``Model`` trains, with the directory second.
         save_every: save every this many steps (a multiple of ``gradient_accumulation_steps``: a
             checkpoint is taken after an update); ``None``: only at the end of training.
         keep: keep the newest ``keep`` checkpoints (``0``: all).
@@ -48,57 +52,89 @@ class ZeroCheckpoint(Callback):
         async_save: write each checkpoint in the background while training goes on
             (:func:`mindzero.save_checkpoint` ``async_save=True``); the next save and the end of training
             wait for it. Old checkpoints are removed only once the previous save is complete.
-        config: a settings file or mapping (:func:`mindzero.load_config`) whose ``checkpoint`` section
-            gives any of ``dir``, ``save_every``, ``keep``, ``format``, ``async_save``; an argument also
-            given here with a value other than its default is an error.
+        config: MindSpore's ``CheckpointConfig`` (its ``save_checkpoint_steps`` and ``keep_checkpoint_max``
+            give ``save_every`` and ``keep``), or a settings file or mapping (:func:`mindzero.load_config`) whose
+            ``checkpoint`` section gives any of ``dir``, ``save_every``, ``keep``, ``format``, ``async_save``. An
+            argument also given here with a value other than its default is an error.
 
     Collective: every rank must use it (each save is collective). ``dataset_sink_mode=False`` only.
     """
 
-    def __init__(self, train_net, directory=None, save_every=None, keep=2, format="ckpt", config=None,
-                 async_save=False):
+    def __init__(self, *args, directory=None, save_every=None, keep=2, format="ckpt", config=None, async_save=False,
+                 train_net=None):
         super().__init__()
+        args = list(args)
+        if args and _is_train_step(args[0]):  # ZeroCheckpoint(train_net, directory, ...): the network first
+            train_net = args.pop(0)
+        if args and args[0] is not None and not isinstance(args[0], (str, Path)):
+            raise TypeError(f"ZeroCheckpoint: the first argument must be the checkpoint directory (str or Path) or "
+                            f"the train step from mindzero.prepare_train_network, got {type(args[0]).__name__} "
+                            f"{args[0]!r}")
+        named = dict(directory=directory, save_every=save_every, keep=keep, format=format, config=config,
+                     async_save=async_save)
+        defaults = dict(directory=None, save_every=None, keep=2, format="ckpt", config=None, async_save=False)
+        if len(args) > len(named):
+            raise TypeError(f"ZeroCheckpoint: at most {len(named)} positional arguments after the network "
+                            f"({', '.join(named)}), got {len(args)}")
+        for key, value in zip(named, args):
+            if named[key] is not defaults[key] and named[key] != defaults[key]:
+                raise TypeError(f"ZeroCheckpoint: {key} is given twice, as an argument ({value!r}) and by name "
+                                f"({named[key]!r})")
+            named[key] = value
+        directory, save_every, keep = named["directory"], named["save_every"], named["keep"]
+        format, config, async_save = named["format"], named["config"], named["async_save"]
         given = {"dir": None if directory is None else str(directory), "save_every": save_every, "keep": keep,
                  "format": format, "async_save": async_save}
         defaults = CheckpointOptions().as_dict()
-        from_file = {}
-        if config is not None:
-            from_file = {k: v for k, v in resolve_settings(config)["checkpoint"].items() if v != defaults[k]}
         try:
-            settings = CheckpointOptions(**merge_settings(given, from_file, defaults)).as_dict()
+            settings = CheckpointOptions(**merge_settings(given, _config_options(config, defaults), defaults)).as_dict()
         except ValueError as err:
             raise ValueError(f"ZeroCheckpoint: {err}") from None
         if settings["dir"] is None:
-            raise ValueError("ZeroCheckpoint: directory (or checkpoint.dir in config) is required, got None")
-        info = train_net.zero_info
-        k = info.config.gradient_accumulation_steps
-        if settings["save_every"] is not None and settings["save_every"] % k:
-            raise ValueError(f"ZeroCheckpoint: save_every={settings['save_every']} must be a multiple of "
-                             f"gradient_accumulation_steps={k} (a checkpoint is taken after an update)")
-        self.train_net = train_net
+            raise ValueError("ZeroCheckpoint: the checkpoint directory is required: ZeroCheckpoint(directory, ...) "
+                             "(or checkpoint.dir in a settings file given as config=)")
         self.directory = Path(settings["dir"])
         self.save_every, self.keep, self.format = settings["save_every"], settings["keep"], settings["format"]
         self.async_save = settings["async_save"]
-        self._accumulation = k
-        self._rank = info.world.world_rank
+        self.train_net = None
+        if train_net is not None:
+            self._attach(train_net)
         self._start_step = 0
         self._batch_num = None
         self._last_saved = None
+        self._pending = None
         self.history = []  # [step, loss] of every step taken, including those before a resume
 
-    def resume(self, dataset) -> int:
+    def _attach(self, train_net) -> None:
+        """The train step this callback saves (given, or found in the run context); checks ``save_every``."""
+        if not _is_train_step(train_net):
+            raise TypeError(f"ZeroCheckpoint: the network must be a train step from mindzero.prepare_train_network, "
+                            f"got {type(train_net).__name__}")
+        k = train_net.zero_info.config.gradient_accumulation_steps
+        if self.save_every is not None and self.save_every % k:
+            raise ValueError(f"ZeroCheckpoint: save_every={self.save_every} must be a multiple of "
+                             f"gradient_accumulation_steps={k} (a checkpoint is taken after an update)")
+        self.train_net = train_net
+        self._accumulation = k
+        self._rank = train_net.zero_info.world.world_rank
+
+    def resume(self, dataset, train_net=None) -> int:
         """Load the newest complete checkpoint under ``directory`` (if any) into the train step, move
         ``dataset`` to the position it was saved at, and return the epoch to pass as
-        ``Model.train(..., initial_epoch=...)`` (0 without a checkpoint). Every rank calls it.
+        ``Model.train(..., initial_epoch=...)`` (0 without a checkpoint). Every rank calls it, before
+        ``Model.train``. ``train_net``: the train step to load into; without it (and none given when the
+        callback was made) the checkpoint is loaded into the network ``Model.train`` runs, when it begins.
 
         Raises:
             CheckpointError: the checkpoint does not fit the train step, or was saved with a dataset of
                 another size (the saved data position would mean other batches).
         """
+        if train_net is not None:
+            self._attach(train_net)
         latest = latest_checkpoint(self.directory, PREFIX)
         if latest is None:
             return 0
-        state = read_trainer_state(latest, self._rank)
+        state = read_trainer_state(latest, self._rank if self.train_net is not None else _world_rank())
         missing = [k for k in ("step", "batch_num", "history") if k not in state]
         if missing:
             raise CheckpointError(f"{latest}: not written by ZeroCheckpoint (trainer_state lacks {missing}); "
@@ -107,7 +143,10 @@ class ZeroCheckpoint(Callback):
         if size != state["batch_num"]:
             raise CheckpointError(f"{latest}: saved with a dataset of {state['batch_num']} batches per epoch, "
                                   f"this dataset has {size}: the saved position would mean other data")
-        load_checkpoint(self.train_net, latest)
+        if self.train_net is not None:
+            load_checkpoint(self.train_net, latest)
+        else:
+            self._pending = latest  # loaded in on_train_begin, into the network Model trains
         step = int(state["step"])
         dataset.set_init_step(step)
         self._start_step = self._last_saved = step
@@ -120,6 +159,11 @@ class ZeroCheckpoint(Callback):
         if cb.dataset_sink_mode:
             raise ValueError("ZeroCheckpoint needs Model.train(..., dataset_sink_mode=False): in sink mode "
                              "several steps run inside the device, where no checkpoint can be taken")
+        if self.train_net is None:  # as MindSpore's ModelCheckpoint: the network from the run context
+            self._attach(cb.train_network)
+        if self._pending is not None:  # resume() found a checkpoint before the network was known
+            load_checkpoint(self.train_net, self._pending)
+            self._pending = None
         if cb.train_network is not self.train_net:
             raise ValueError("ZeroCheckpoint: Model trains another network than the train_net given to "
                              "ZeroCheckpoint; pass the Cell prepare_train_network returned to both")
@@ -182,3 +226,27 @@ class ZeroCheckpoint(Callback):
             if removed:
                 logger.info("ZeroCheckpoint: removed %s", ", ".join(p.name for p in removed))
         _Barrier(self.train_net.zero_info.world)()  # every rank sees the directory as rank 0 left it
+
+
+def _world_rank() -> int:
+    """This process's rank in the world (0 outside a distributed launch)."""
+    from ..comm.groups import current_world
+    return current_world().world_rank
+
+
+def _is_train_step(obj) -> bool:
+    return hasattr(obj, "zero_info") and hasattr(obj, "optimizer")
+
+
+def _config_options(config, defaults: dict) -> dict:
+    """The checkpoint options a ``config`` gives: MindSpore's ``CheckpointConfig`` (how often, how many), or the
+    ``checkpoint`` section of a settings file or mapping (the values other than the defaults)."""
+    if config is None:
+        return {}
+    if hasattr(config, "save_checkpoint_steps") and hasattr(config, "keep_checkpoint_max"):  # CheckpointConfig
+        if getattr(config, "save_checkpoint_seconds", None) or getattr(config, "keep_checkpoint_per_n_minutes", None):
+            raise ValueError("ZeroCheckpoint: config (a CheckpointConfig) saves by time (save_checkpoint_seconds or "
+                             "keep_checkpoint_per_n_minutes); ZeroCheckpoint saves every save_checkpoint_steps steps")
+        options = {"save_every": config.save_checkpoint_steps, "keep": config.keep_checkpoint_max}
+        return {k: v for k, v in options.items() if v != defaults[k]}
+    return {k: v for k, v in resolve_settings(config)["checkpoint"].items() if v != defaults[k]}

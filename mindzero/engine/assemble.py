@@ -10,7 +10,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from ..core.comm_plan import step_buckets
-from ..core.config import LossScale, MixedPrecision, ZeroConfig
+from ..core.config import LossScale, ZeroConfig
 from ..core.plan import PartitionPlan, param_infos
 from ..core.state import MasterPair, ParamState, ZeroState
 from ..core.topology import World
@@ -32,7 +32,6 @@ def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
     """
     policy, precision = config.policy, config.precision
     check_optimizer(optimizer, {p.name: p for p in network.get_parameters()}, policy.shard_optimizer_states)
-    check_precision(precision, optimizer, world)
     if config.optimizer_offload:
         offload_update(optimizer)
     plan = build_plan(network, optimizer, world, config)
@@ -78,25 +77,6 @@ def _param_states(optimizer, plan: PartitionPlan, config: ZeroConfig) -> tuple:
         out.append(ParamState(p.name, p, spec, reduce_spec, spec.sharded and config.policy.shard_optimizer_states,
                               weight=p, target=p))
     return tuple(out)
-
-
-def check_precision(precision: MixedPrecision, optimizer, world: World) -> None:
-    """Refuse a mixed-precision policy this run cannot honour.
-
-    Raises:
-        ValueError: bfloat16 on CPU (MindSpore 2.10 has no bfloat16 Dense/MatMul kernels there), or an
-            optimized parameter that is not float32 (its fp32 master and states come from it).
-    """
-    if not precision.enabled:
-        return
-    if precision.param_dtype == "bfloat16" and world.device == "CPU":
-        raise ValueError("param_dtype=bfloat16 is not supported on CPU: MindSpore 2.10 has no bfloat16 kernels for "
-                         "Dense/MatMul there; use param_dtype=float16 on CPU (bfloat16 on GPU/Ascend)")
-    for p in optimizer.parameters:
-        if str(p.dtype).lower() != "float32":
-            raise ValueError(f"param_dtype={precision.param_dtype} needs the optimizer's parameters in float32 "
-                             f"(mindzero makes the {precision.param_dtype} copies and keeps the fp32 masters); "
-                             f"parameter {p.name!r} is {str(p.dtype).lower()}: build the network in float32")
 
 
 def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: PartitionPlan, params: tuple,

@@ -15,6 +15,7 @@ from ..comm.groups import world_for
 from ..core.config import ZeroConfig, merge_settings
 from ..core.settings import resolve_settings
 from .assemble import assemble
+from .precision import check_precision, computing_in
 from .report import plan_text
 from .train_step import ZeroTrainOneStepCell
 
@@ -61,8 +62,9 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
             ``ms.bfloat16`` (or the name): mixed precision: the network holds its optimized parameters in
             this dtype (full at stages 0-2, shards at stage 3; gathered in it at stages 1-3) and the
             optimizer updates fp32 master values (full at stage 0, shards from stage 1) that are cast back
-            after each update. The network must compute in this dtype where it reads them
-            (``to_float`` / ``mindspore.amp.auto_mixed_precision(net, "O2")``); Cells marked
+            after each update. A network with no ``to_float`` setting of its own is made to compute in this
+            dtype as MindSpore's AMP O2 does (BatchNorm, LayerNorm and the loss Cells in fp32:
+            :mod:`mindzero.engine.precision`); a network you converted keeps its setup. Cells marked
             ``to_float(ms.float32)`` (LayerNorm, BatchNorm) get fp32 copies. Memory: the ZeRO paper's
             16Φ, 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N. See docs/stages.md.
         reduce_dtype: with ``param_dtype``: the dtype gradients are reduced and accumulated in: ``None``
@@ -97,7 +99,10 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
     zero = ZeroConfig.from_arguments(arguments)
     if not isinstance(network, nn.Cell):
         raise TypeError(f"network must be a mindspore.nn.Cell, got {type(network).__name__}")
-    state = assemble(network, optimizer, zero, world_for(zero.groups))
+    world = world_for(zero.groups)
+    check_precision(zero.precision, optimizer, world)  # before the network is converted: a refusal changes nothing
+    network = computing_in(network, zero.precision)
+    state = assemble(network, optimizer, zero, world)
     train_net = ZeroTrainOneStepCell(network, optimizer, state)
     # the replaced full tensors (parameters at stage 3, optimizer states from stage 1) sit in reference
     # cycles of MindSpore objects: collect them now (measured: 380 MiB on a 105M GPT at stage 3), not

@@ -41,6 +41,8 @@ from ..core.topology import World
 from ..launch.runtime import release_host_memory
 from .kernels import (MAP, accumulate, cast_to, depend_on, ema_update, finite, gather_unit, gather_write, norm_sq,
                       reduce_grad, reduce_unit, route, scale_by, write_cast, zero_after)
+from .precision import explain_dtype_errors
+
 
 class _Keep(nn.Cell):
     def construct(self, g, padding):
@@ -263,7 +265,7 @@ class ZeroTrainOneStepCell(nn.Cell):
 
     def compile(self, *args, **kwargs):
         """Compile the step (graph mode), in the kernel execution order of its stage (see ``exec_order``)."""
-        with _execution_order(self.exec_order):
+        with _execution_order(self.exec_order), explain_dtype_errors(self.network, self.zero_info.config.precision):
             return super().compile(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):

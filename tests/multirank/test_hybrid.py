@@ -11,12 +11,13 @@ from mindzero.checkpoint.offline import merge_checkpoint, reshard_checkpoint
 from mindzero.checkpoint.tensor_io import open_reader
 from mindzero.launch.local import msrun
 from tests.support.compare import ON_CPU, RTOL_FP16, Results, assert_same_run, rel_err
+from tests.support.models import PARITY_MODELS
 from tests.support.scenarios import hybrid_scenarios
 
 from . import WORKERS
 
 N = 4
-MODELS = ["mixed", "awkward", "gpt", "resnet", "lora"]
+MODELS = list(PARITY_MODELS)
 
 
 @pytest.fixture(scope="module")

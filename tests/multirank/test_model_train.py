@@ -49,6 +49,9 @@ def test_model_train_equals_the_loop(out, stage):
 @pytest.mark.parametrize("stage", STAGES)
 def test_interrupted_and_resumed_equals_uninterrupted(out, stage):
     """Crashed at step 14 (checkpoints every 4 steps, 2 kept: 8 and 12), restarted: resumed at step 12,
+    with the callback written in every form (stage 0: ``ZeroCheckpoint(directory, save_every=, keep=)``, then
+    ``ZeroCheckpoint(directory, config=CheckpointConfig(...))``; stage 3: the settings file, then the network
+    first),
     in the middle of epoch 2 (Model reports steps 13..30), loss history (the checkpoint's 12 and 18 new)
     and final parameters equal the uninterrupted loop's, on each rank."""
     for r in range(N):
@@ -56,6 +59,9 @@ def test_interrupted_and_resumed_equals_uninterrupted(out, stage):
         assert meta["first_run_steps"] == list(range(1, 15))
         assert meta["after_crash"] == ["step_00000008", "step_00000012"]
         assert meta["initial_epoch"] == 1
+        # ZeroCheckpoint(directory) / (directory, config=CheckpointConfig): resume() had no network and
+        # loaded the checkpoint when Model.train began; made with the network, it loaded at once
+        assert meta["loaded_at_resume"] == (stage == 3)
         assert a["resumed_steps"].tolist() == list(range(13, STEPS + 1))
         assert a["resumed_history_steps"].tolist() == list(range(1, STEPS + 1))
         np.testing.assert_array_equal(a["resumed_losses"], a["loop_losses"], err_msg=f"rank {r}")

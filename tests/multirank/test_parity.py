@@ -13,11 +13,12 @@ import pytest
 from mindzero.launch.local import msrun
 from tests.support.compare import (ON_CPU, RTOL, RTOL_FP16, RTOL_FP16_ACCUM, RTOL_FP16_VS_FP32, Results,
                                    assert_parity_checks, assert_same_run, rel_err)
-from tests.support.scenarios import parity_scenarios
+from tests.support.models import PARITY_MODELS
+from tests.support.scenarios import AUTO_AMP_MODELS, parity_scenarios
 
 from . import WORKERS
 
-MODELS = ["mixed", "awkward", "gpt", "resnet", "lora"]
+MODELS = list(PARITY_MODELS)
 REDUCED = "4 ranks run a reduced matrix for the suite's time (tests.support.scenarios.parity_scenarios); 2 ranks run it"
 
 
@@ -319,6 +320,56 @@ def test_mixed_precision_tracks_fp32_training(run):
         err = np.abs(mp["losses"][finite] - fp32["losses"][finite]) / np.abs(fp32["losses"][finite])
         assert err.max() <= RTOL_FP16_VS_FP32, err
         assert err.max() > 0, "the fp16 run must differ from the fp32 one (else it did not run in fp16)"
+
+
+# the parameters AMP keeps in fp32 (BatchNorm, LayerNorm), by model: the rest are held in fp16
+FP32_CELLS = {"mlp": (), "normed": ("1.", "4."), "gpt": ("block.ln1.", "block.ln2.", "ln_f.")}
+
+
+@pytest.mark.parametrize("model", [m for m, _ in AUTO_AMP_MODELS])
+def test_param_dtype_on_a_float32_network(run, model):
+    """``param_dtype=float16`` on a network built in float32 with no mixed-precision setup (an MLP; the example's
+    attention block with embeddings and LayerNorm; BatchNorm and LayerNorm between Dense layers): mindzero makes
+    it compute in fp16 (AMP O2's rules). 2 ranks, 20 steps: stages 1-3 equal stage 0 of the same policy;
+    parameters held in 2 bytes (fp32 in the normalization Cells); no step skipped once the loss scale settled;
+    stage 0 within 2e-2 of the float32 run of the same network."""
+    n, res = run
+    if n == 4:
+        pytest.skip("run at 2 ranks only (suite time)")
+    for r in range(n):
+        ref, fp32 = res.load(r, f"auto-{model}-0"), res.load(r, f"auto32-{model}-0")
+        for stage in (1, 2, 3):
+            got = res.load(r, f"auto-{model}-{stage}")
+            assert_same_run(got, ref, f"auto-{model} stage {stage} rank {r}", rtol=RTOL_FP16)
+            assert got["overflows"].tolist() == ref["overflows"].tolist()
+        held = {k[len("param/"):]: v.dtype for k, v in ref.items() if k.startswith("param/") and "@" not in k
+                and "moving_" not in k}
+        kept = {k for k in held if k.startswith(FP32_CELLS[model])}
+        assert held and all(held[k] == (np.float32 if k in kept else np.float16) for k in held), held
+        assert len(kept) == 2 * len(FP32_CELLS[model])  # gamma and beta of each normalization Cell
+        skipped = ref["overflows"].tolist()
+        settled = skipped.index(False)  # the first applied step; the scale is lowered until then
+        assert len(skipped) == 20 and not any(skipped[settled:]), skipped
+        err = np.abs(ref["losses"] - fp32["losses"]) / np.abs(fp32["losses"])
+        assert np.isfinite(ref["losses"]).all() and err.max() <= RTOL_FP16_VS_FP32, err
+        assert err.max() > 0, "the fp16 run must differ from the fp32 one (else it did not run in fp16)"
+        assert fp32["losses"][-1] < fp32["losses"][0] and ref["losses"][-1] < ref["losses"][0]  # both train
+
+
+def test_param_dtype_keeps_a_network_the_user_converted(run):
+    """An MLP whose backbone the user converted (``auto_mixed_precision(backbone, "O2")``, the loss Cell left as
+    built) is kept as it is: it trains in fp16 at stages 0 and 3 with the same results, and its results are not
+    those of mindzero's own conversion (which computes the whole ``WithLossCell`` in fp16 up to the loss, the
+    targets included), so the user's setup was not replaced."""
+    n, res = run
+    if n == 4:
+        pytest.skip("run at 2 ranks only (suite time)")
+    for r in range(n):
+        ref = res.load(r, "partial-mlp-0")
+        assert_same_run(res.load(r, "partial-mlp-3"), ref, f"partial-mlp stage 3 rank {r}", rtol=RTOL_FP16)
+        assert all(v.dtype == np.float16 for k, v in ref.items() if k.startswith("param/") and "@" not in k)
+        auto = res.load(r, "auto-mlp-0")
+        assert not np.array_equal(ref["losses"], auto["losses"][:len(ref["losses"])])
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

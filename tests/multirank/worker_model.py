@@ -8,7 +8,8 @@ The data is a ``GeneratorDataset`` sharded per rank (``num_shards``/``shard_id``
   parameters);
 * ``model_losses`` / ``model/<name>``: ``Model(train_net).train(...)`` with ``LossMonitor`` (stage 0
   with ``dataset_sink_mode=True``, which MindSpore runs without sink on CPU; stage 3 with ``False``);
-* ``resumed_losses`` / ``resumed/<name>``: ``Model.train`` with ``ZeroCheckpoint(save_every=4, keep=2)``
+* ``resumed_losses`` / ``resumed/<name>``: ``Model.train`` with a ``ZeroCheckpoint`` saving every 4 steps,
+  keeping 2 (made in each of the forms a user writes: ``FORMS``),
   killed by an exception at step 14, then, as a restarted job does, a new network, train step and
   dataset, ``ZeroCheckpoint.resume`` and ``Model.train(initial_epoch=...)`` to the end (the loss
   history: the checkpoint's and the new steps'); ``resumed_steps``: the step numbers the restarted
@@ -23,7 +24,7 @@ import sys
 import numpy as np
 import mindspore as ms
 import mindspore.dataset as ds
-from mindspore.train import Callback, LossMonitor, Model
+from mindspore.train import Callback, CheckpointConfig, LossMonitor, Model
 
 import mindzero
 from tests.support.models import TinyGPT, build, make_optimizer
@@ -78,6 +79,21 @@ class Record(Callback):
             raise KeyboardInterrupt(f"simulated crash at step {self.crash_at}")
 
 
+# how each run makes its ZeroCheckpoint (first run, restarted run), per stage: every form a user writes
+FORMS = {0: ("directory", "checkpoint_config"), 3: ("settings_file", "network_first")}
+
+
+def callback(form, train, ckpt_dir, cfg):
+    """``ZeroCheckpoint`` written as ``form``: every 4 steps, the newest 2 kept."""
+    if form == "directory":  # as MindSpore's ModelCheckpoint: no network, found in Model's run context
+        return mindzero.ZeroCheckpoint(ckpt_dir, save_every=4, keep=2)
+    if form == "checkpoint_config":  # MindSpore's CheckpointConfig for how often and how many
+        return mindzero.ZeroCheckpoint(ckpt_dir, config=CheckpointConfig(save_checkpoint_steps=4, keep_checkpoint_max=2))
+    if form == "settings_file":  # the checkpoint section of the settings file the train step was made from
+        return mindzero.ZeroCheckpoint(train, config=cfg)
+    return mindzero.ZeroCheckpoint(train, ckpt_dir, save_every=4, keep=2)  # the network first
+
+
 def full(train, prefix):
     return {f"{prefix}/{k}": v for k, v in mindzero.gather_full_state_dict(train).items()}
 
@@ -105,7 +121,7 @@ def run_stage(stage, world, out_dir):
     cfg.write_text(f"zero_stage: {stage}\nclip_grad: true\ngradient_accumulation_steps: {accumulation(stage)}\n"
                    f"checkpoint: {{dir: {ckpt_dir}, save_every: 4, keep: 2}}\n")
     train, data, rec = train_step(stage, config=cfg), dataset(world), Record(crash_at=CRASH_AT)
-    ckpt = mindzero.ZeroCheckpoint(train, config=cfg)
+    ckpt = callback(FORMS[stage][0], train, ckpt_dir, cfg)
     assert ckpt.resume(data) == 0
     try:
         Model(train).train(EPOCHS, data, callbacks=[ckpt, rec], dataset_sink_mode=False)
@@ -115,8 +131,9 @@ def run_stage(stage, world, out_dir):
     meta["first_run_steps"] = rec.steps
     meta["after_crash"] = sorted(p.name for p in ckpt_dir.iterdir())
     train, data, rec = train_step(stage, config=cfg), dataset(world), Record()
-    ckpt = mindzero.ZeroCheckpoint(train, config=cfg)
-    meta["initial_epoch"] = initial_epoch = ckpt.resume(data)
+    ckpt = callback(FORMS[stage][1], train, ckpt_dir, cfg)
+    meta["initial_epoch"] = initial_epoch = ckpt.resume(data)  # without the network: loaded when Model begins
+    meta["loaded_at_resume"] = ckpt.train_net is not None
     Model(train).train(EPOCHS, data, callbacks=[ckpt, rec, LossMonitor(5)], dataset_sink_mode=False,
                        initial_epoch=initial_epoch)
     res["resumed_losses"] = np.array([loss for _, loss in ckpt.history])

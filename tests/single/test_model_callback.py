@@ -1,6 +1,7 @@
 """One process: ``prepare_train_network(config=...)`` and ``ZeroCheckpoint`` refuse bad input with errors
 that name the argument or key, the value and the rule; a config file gives what the same arguments give."""
 import dataclasses
+from pathlib import Path
 import numpy as np
 import pytest
 import mindspore as ms
@@ -63,7 +64,8 @@ def test_zero_checkpoint_bad_arguments(tmp_path):
     step = prepare(zero_stage=1, gradient_accumulation_steps=2)
     with pytest.raises(ValueError, match=r"save_every=3 must be a multiple of gradient_accumulation_steps=2"):
         mindzero.ZeroCheckpoint(step, tmp_path, save_every=3)
-    with pytest.raises(ValueError, match=r"directory \(or checkpoint.dir in config\) is required"):
+    with pytest.raises(ValueError, match=r"^ZeroCheckpoint: the checkpoint directory is required: "
+                                         r"ZeroCheckpoint\(directory, ...\)"):
         mindzero.ZeroCheckpoint(step, save_every=2)
     with pytest.raises(ValueError, match=r"^ZeroCheckpoint: keep must be an int >= 0, got -1"):
         mindzero.ZeroCheckpoint(step, tmp_path, keep=-1)
@@ -71,6 +73,35 @@ def test_zero_checkpoint_bad_arguments(tmp_path):
         mindzero.ZeroCheckpoint(step, tmp_path, keep=3, config={"checkpoint": {"keep": 5}})
     ck = mindzero.ZeroCheckpoint(step, config={"checkpoint": {"dir": str(tmp_path / "c"), "save_every": 4}})
     assert (ck.directory, ck.save_every, ck.keep, ck.format) == (tmp_path / "c", 4, 2, "ckpt")
+
+
+def test_zero_checkpoint_written_as_mindspore_callbacks(tmp_path):
+    """``ZeroCheckpoint("ckpts", ...)`` without a network (found in Model's run context), MindSpore's
+    ``CheckpointConfig`` for how often and how many, the network-first form; a first argument that is neither a
+    directory nor a train step is refused naming it."""
+    from mindspore.train import CheckpointConfig
+
+    ck = mindzero.ZeroCheckpoint("ckpts", save_every=3, keep=2)
+    assert (ck.directory, ck.save_every, ck.keep, ck.train_net) == (Path("ckpts"), 3, 2, None)
+    ck = mindzero.ZeroCheckpoint(tmp_path, config=CheckpointConfig(save_checkpoint_steps=6, keep_checkpoint_max=3))
+    assert (ck.directory, ck.save_every, ck.keep) == (tmp_path, 6, 3)
+    step = prepare(zero_stage=1, gradient_accumulation_steps=2)
+    ck = mindzero.ZeroCheckpoint(step, tmp_path, 4, 1)
+    assert (ck.train_net, ck.directory, ck.save_every, ck.keep) == (step, tmp_path, 4, 1)
+    assert mindzero.ZeroCheckpoint(tmp_path, train_net=step).train_net is step
+    with pytest.raises(TypeError, match=r"^ZeroCheckpoint: the first argument must be the checkpoint directory .* "
+                                        r"or the train step from mindzero.prepare_train_network, got int 5"):
+        mindzero.ZeroCheckpoint(5, tmp_path)
+    with pytest.raises(TypeError, match=r"got MixedNet"):  # the network before prepare_train_network
+        mindzero.ZeroCheckpoint(build("mixed"), tmp_path)
+    with pytest.raises(TypeError, match=r"directory is given twice, as an argument"):
+        mindzero.ZeroCheckpoint(step, tmp_path, directory=tmp_path / "other")
+    with pytest.raises(ValueError, match=r"save_checkpoint_seconds or keep_checkpoint_per_n_minutes"):
+        mindzero.ZeroCheckpoint(tmp_path, config=CheckpointConfig(save_checkpoint_steps=None,
+                                                                  save_checkpoint_seconds=60))
+    with pytest.raises(ValueError, match=r"save_every=3 must be a multiple of gradient_accumulation_steps=2"):
+        mindzero.ZeroCheckpoint(tmp_path, save_every=3).on_train_begin(RunContext(_Params(
+            {"dataset_sink_mode": False, "train_network": step, "batch_num": 4, "cur_step_num": 0})))
 
 
 def test_zero_checkpoint_refuses_sink_mode_and_another_network(tmp_path):

@@ -161,7 +161,31 @@ class LoraNet(nn.Cell):
         return tokens, np.tanh(np.eye(cls.VOCAB, 5, dtype=np.float32)[tokens].mean(axis=1) * 3)
 
 
-MODELS = {"mixed": MixedNet, "awkward": AwkwardNet, "gpt": TinyGPT, "resnet": TinyResNet, "lora": LoraNet}
+class PlainMLP(nn.WithLossCell):
+    """(f) what a new user writes first: three ``nn.Dense`` in float32, ``nn.WithLossCell`` with ``nn.MSELoss``,
+    no mixed-precision setup of its own (``param_dtype`` makes mindzero convert it)."""
+
+    def __init__(self):
+        super().__init__(nn.SequentialCell([nn.Dense(12, 24), nn.ReLU(), nn.Dense(24, 24), nn.ReLU(),
+                                            nn.Dense(24, 5)]), nn.MSELoss())
+
+    batch = MixedNet.batch
+
+
+class NormedMLP(nn.WithLossCell):
+    """(g) float32 Dense layers with a BatchNorm and a LayerNorm between them (the Cells AMP keeps in fp32)."""
+
+    def __init__(self):
+        super().__init__(nn.SequentialCell([nn.Dense(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dense(16, 16),
+                                            nn.LayerNorm((16,)), nn.GELU(), nn.Dense(16, 5)]), nn.MSELoss())
+
+    batch = MixedNet.batch
+
+
+MODELS = {"mixed": MixedNet, "awkward": AwkwardNet, "gpt": TinyGPT, "resnet": TinyResNet, "lora": LoraNet,
+          "mlp": PlainMLP, "normed": NormedMLP}
+# the models of the parity and hybrid matrices (every stage, fp32); mlp and normed: the mixed-precision runs
+PARITY_MODELS = ("mixed", "awkward", "gpt", "resnet", "lora")
 
 
 def build(name, seed=0):
@@ -188,7 +212,8 @@ OPTIMIZERS = {
     "momentum": lambda ps: nn.Momentum(ps, 0.05, 0.9),
 }
 #: the optimizer each model trains with unless a test says otherwise
-DEFAULT_OPTIMIZER = {"mixed": "adamw_groups", "awkward": "adam", "gpt": "sgd", "resnet": "momentum", "lora": "adamw"}
+DEFAULT_OPTIMIZER = {"mixed": "adamw_groups", "awkward": "adam", "gpt": "sgd", "resnet": "momentum", "lora": "adamw",
+                     "mlp": "adam", "normed": "adamw"}
 
 
 def make_optimizer(kind: str, net):

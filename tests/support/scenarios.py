@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from mindzero.core.settings import check_settings
 
-from .models import DEFAULT_OPTIMIZER, MODELS, OPTIMIZERS, trainable_bytes
+from .models import DEFAULT_OPTIMIZER, MODELS, OPTIMIZERS, PARITY_MODELS, trainable_bytes
 
 STEPS = 10
 DYNAMIC = {"init_loss_scale": 4096.0, "scale_factor": 2.0, "scale_window": 50}  # a dynamic loss scale of 2^12
@@ -25,7 +25,9 @@ class Scenario:
 
     ``force_overflow``: the last rank's input holds inf at step 4. ``substitute``: the GPU/Ascend code path
     with CPU-legal primitives (:func:`mindzero.comm.substitute_collectives`). With ``param_dtype`` in
-    ``settings`` the network computes in fp16 (``mindspore.amp.auto_mixed_precision(net, "O2")``).
+    ``settings`` the network computes in fp16, converted as ``amp`` says: ``"O2"``: by the test, wholly
+    (``mindspore.amp.auto_mixed_precision(net, "O2")``); ``"partial"``: by the test, the backbone of a
+    ``WithLossCell`` only; ``"auto"``: not by the test (mindzero converts a network with no setup of its own).
     """
 
     name: str
@@ -36,6 +38,7 @@ class Scenario:
     steps: int = STEPS
     force_overflow: bool = False
     substitute: bool = False
+    amp: str = "O2"
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -44,6 +47,8 @@ class Scenario:
             raise ValueError(f"scenario {self.name!r}: optimizer {self.optimizer!r} is unknown")
         if self.stage not in ("dp", 0, 1, 2, 3):
             raise ValueError(f"scenario {self.name!r}: stage must be 'dp' or 0-3, got {self.stage!r}")
+        if self.amp not in ("O2", "partial", "auto"):
+            raise ValueError(f"scenario {self.name!r}: amp must be 'O2', 'partial' or 'auto', got {self.amp!r}")
         if "zero_stage" in self.settings:
             raise ValueError(f"scenario {self.name!r}: give the stage as stage=, not in settings")
         check_settings(self.settings, f"scenario {self.name!r}")
@@ -64,7 +69,10 @@ def thirds(model: str) -> dict:
 
 
 # every model with its optimizer; the parity runs train the GPT with SGD's weight decay too (1e-5 bar)
-MODEL_OPTIMIZERS = list({**DEFAULT_OPTIMIZER, "gpt": "sgd_decay"}.items())
+MODEL_OPTIMIZERS = [(m, "sgd_decay" if m == "gpt" else DEFAULT_OPTIMIZER[m]) for m in PARITY_MODELS]
+# mixed precision on networks as users build them (no to_float anywhere): mindzero converts them
+AUTO_AMP_MODELS = (("mlp", "adam"), ("gpt", "sgd_decay"), ("normed", "adamw"))
+AUTO_AMP_STEPS = 20
 
 
 def parity_scenarios(world_size: int = 2) -> list:
@@ -101,6 +109,13 @@ def parity_scenarios(world_size: int = 2) -> list:
     for stage in (0, 1, 2, 3):  # accumulation (buffers in fp16), clipping, EMA
         out.append(Scenario(f"mp-accum-{stage}", "awkward", "adam", stage,
                             {**FP16, **CLIP, **EMA, "gradient_accumulation_steps": 4}))
+    if full:  # param_dtype on float32 networks without a setup of their own: mindzero converts them (20 steps)
+        for model, opt in AUTO_AMP_MODELS:
+            out += [Scenario(f"auto-{model}-{stage}", model, opt, stage, FP16, steps=AUTO_AMP_STEPS, amp="auto")
+                    for stage in (0, 1, 2, 3)]
+            out.append(Scenario(f"auto32-{model}-0", model, opt, 0, {"scale_sense": DYNAMIC}, steps=AUTO_AMP_STEPS))
+        # the backbone converted by the user, the loss Cell not: kept exactly as it is
+        out += [Scenario(f"partial-mlp-{stage}", "mlp", "adam", stage, FP16, amp="partial") for stage in (0, 3)]
     for stage in some:  # the clip-<stage> runs with comm_fusion buckets
         out.append(Scenario(f"fused-{stage}", "mixed", "adamw_groups", stage, {**CLIP, "comm_fusion": thirds("mixed")}))
     if full:  # the GPU/Ascend path (real ReduceScatter, fused row layout) with CPU-legal primitives

@@ -37,8 +37,10 @@ def run(scn, world) -> Run:
     init_params = {"init/" + p.name: p.asnumpy().copy() for p in net.trainable_params()}
     cls = type(net)
     opt = make_optimizer(scn.optimizer, net)
-    if scn.mixed_precision:  # fp16 compute, BatchNorm/LayerNorm in fp32: what users of mixed precision run
+    if scn.mixed_precision and scn.amp == "O2":  # fp16 compute, BatchNorm/LayerNorm in fp32 (AMP O2)
         net = amp.auto_mixed_precision(net, "O2")
+    elif scn.mixed_precision and scn.amp == "partial":  # the backbone only; the loss Cell as built
+        net._backbone = amp.auto_mixed_precision(net._backbone, "O2")
     k = scn.accumulation
     if scn.stage == "dp":
         train = nn.TrainOneStepCell(net, opt)
