@@ -18,7 +18,8 @@ With ``--reuse``, sizes measured by earlier invocations under ``--out`` are repo
 
 ``--finetune R``: adapter fine-tuning instead of training from scratch: the GPT's weights are frozen and loaded
 from a plain checkpoint the benchmark writes for each size (the standalone GPT, as ``mindspore.save_checkpoint``
-writes it; plain DP loads it the plain MindSpore way, mindzero with ``load_pretrained``), rank-R adapters on
+writes it; plain DP loads it one tensor at a time into its full network, its best case, mindzero with
+``load_pretrained``), rank-R adapters on
 every projection train (``examples/gpt.py``: ``GPT(lora_rank=R)``), AdamWeightDecay over the adapters.
 
 Writes ``results.json``, ``results.md`` and ``max_model.png`` under ``--out``.
