@@ -177,6 +177,8 @@ def main():
         net = amp.auto_mixed_precision(net, "O2")
         loss_cell.ce.to_float(ms.float32)
     phases.end("build")
+    # every weight, counted before prepare (stage 3 leaves the Parameters at their shards' shapes)
+    phi = sum(int(np.prod(p.shape)) for p in net.get_parameters() if "moving_" not in p.name)
     if a.config == "dp":
         if a.pretrained:
             load_plain(net, a.pretrained)
@@ -197,7 +199,6 @@ def main():
             assert report["prefix"] == "gpt." and not report["unexpected"] and not report["mismatched"], report
             assert all("_lora." in n for n in report["missing"]), report["missing"][:3]
     phases.end("prepare")
-    phi = sum(int(np.prod(p.shape)) for p in net.get_parameters() if "moving_" not in p.name)  # every weight
     trainable = sum(int(np.prod(p.shape)) for p in opt.parameters) if a.config == "dp" else \
         sum(s.numel for s in train.zero_info.plan if s.optimized)
     rng = np.random.RandomState(world.world_rank)
