@@ -20,6 +20,7 @@ callback then continues the step count, so ``LossMonitor`` and the saved step nu
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import shutil
 from pathlib import Path
@@ -72,12 +73,12 @@ class ZeroCheckpoint(Callback):
                             f"{args[0]!r}")
         named = dict(directory=directory, save_every=save_every, keep=keep, format=format, config=config,
                      async_save=async_save)
-        defaults = dict(directory=None, save_every=None, keep=2, format="ckpt", config=None, async_save=False)
         if len(args) > len(named):
             raise TypeError(f"ZeroCheckpoint: at most {len(named)} positional arguments after the network "
                             f"({', '.join(named)}), got {len(args)}")
         for key, value in zip(named, args):
-            if named[key] is not defaults[key] and named[key] != defaults[key]:
+            default = _SIGNATURE[key].default
+            if named[key] is not default and named[key] != default:
                 raise TypeError(f"ZeroCheckpoint: {key} is given twice, as an argument ({value!r}) and by name "
                                 f"({named[key]!r})")
             named[key] = value
@@ -226,6 +227,9 @@ class ZeroCheckpoint(Callback):
             if removed:
                 logger.info("ZeroCheckpoint: removed %s", ", ".join(p.name for p in removed))
         _Barrier(self.train_net.zero_info.world)()  # every rank sees the directory as rank 0 left it
+
+
+_SIGNATURE = inspect.signature(ZeroCheckpoint.__init__).parameters  # the defaults of the named arguments
 
 
 def _world_rank() -> int:

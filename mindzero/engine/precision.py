@@ -59,11 +59,9 @@ def explain_dtype_errors(network, precision: MixedPrecision):
         text = str(err)
         if not precision.enabled or _TYPE_NAMES[precision.param_dtype] not in text or "Float32" not in text:
             raise
-        own = has_own_precision(network)
-        why = ("the network sets up its own mixed precision (a Cell has a to_float setting), which mindzero keeps "
-               "as it is, and a Cell of it computes in float32 where it reads a " + precision.param_dtype +
-               " parameter" if own else "a Cell computes in float32 where it reads a " + precision.param_dtype +
-               " parameter")
+        reads = f"computes in float32 where it reads a {precision.param_dtype} parameter"
+        why = (f"the network sets up its own mixed precision (a Cell has a to_float setting), which mindzero keeps "
+               f"as it is, and a Cell of it {reads}" if has_own_precision(network) else f"a Cell {reads}")
         first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
         raise TypeError(f"param_dtype={precision.param_dtype}: the optimized parameters are held in "
                         f"{precision.param_dtype}, so the network must compute in it where it reads them; {why} "
