@@ -1,9 +1,6 @@
-import os
-
 import pytest
 
-FULL_REASON = ("full tier only (the default suite stays under 30 minutes on 2 cores): run "
-               "`bash scripts/test.sh --full` or set MINDZERO_FULL_SUITE=1 (docs/testing.md)")
+from tests.support.tier import FULL_REASON, full_tier
 
 
 def pytest_addoption(parser):
@@ -15,7 +12,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--full") or os.environ.get("MINDZERO_FULL_SUITE") == "1":
+    if full_tier(config):
         return
     skip = pytest.mark.skip(reason=FULL_REASON)
     for item in items:

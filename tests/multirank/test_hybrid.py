@@ -13,6 +13,7 @@ from mindzero.launch.local import msrun
 from tests.support.compare import ON_CPU, RTOL_FP16, Results, assert_same_run, rel_err
 from tests.support.models import PARITY_MODELS
 from tests.support.scenarios import hybrid_scenarios
+from tests.support.tier import full_tier
 
 from . import WORKERS
 
@@ -21,10 +22,12 @@ MODELS = list(PARITY_MODELS)
 
 
 @pytest.fixture(scope="module")
-def res(tmp_path_factory):
+def res(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("hybrid")
-    msrun(WORKERS / "worker_hybrid.py", N, out, timeout=1800)
-    return Results(out, [s.name for s in hybrid_scenarios()])
+    full = full_tier(request.config)
+    msrun(WORKERS / "worker_hybrid.py", N, out, ["--full-tier"] if full else [], timeout=1800)
+    return Results(out, [s.name for s in hybrid_scenarios(full)], [s.name for s in hybrid_scenarios()],
+                   "the default suite leaves it to the full tier (scenarios.FULL_TIER_ONLY; `bash scripts/test.sh --full`)")
 
 
 def test_layout_and_group_collectives(res):

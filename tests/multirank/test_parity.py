@@ -15,11 +15,13 @@ from tests.support.compare import (ON_CPU, RTOL, RTOL_FP16, RTOL_FP16_ACCUM, RTO
                                    assert_parity_checks, assert_same_run, rel_err)
 from tests.support.models import PARITY_MODELS
 from tests.support.scenarios import AUTO_AMP_MODELS, parity_scenarios
+from tests.support.tier import full_tier
 
 from . import WORKERS
 
 MODELS = list(PARITY_MODELS)
-REDUCED = "4 ranks run a reduced matrix for the suite's time (tests.support.scenarios.parity_scenarios); 2 ranks run it"
+REDUCED = ("4 ranks run a reduced matrix for the suite's time (tests.support.scenarios.parity_scenarios); 2 ranks run "
+           "it, the default suite less FULL_TIER_ONLY (`bash scripts/test.sh --full` runs them)")
 
 
 # 4 ranks: the full tier (tests/conftest.py; the default suite keeps 4 ranks in test_launch's 2-node launch,
@@ -27,8 +29,9 @@ REDUCED = "4 ranks run a reduced matrix for the suite's time (tests.support.scen
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.full)], ids=["2ranks", "4ranks"])
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"parity{request.param}")
-    msrun(WORKERS / "worker_parity.py", request.param, out, timeout=1800)
-    ran = [s.name for s in parity_scenarios(request.param)]
+    full = full_tier(request.config)
+    msrun(WORKERS / "worker_parity.py", request.param, out, ["--full-tier"] if full else [], timeout=1800)
+    ran = [s.name for s in parity_scenarios(request.param, full)]
     return request.param, Results(out, ran, [s.name for s in parity_scenarios(2)], REDUCED)
 
 
@@ -276,11 +279,12 @@ def test_measured_memory_agrees_with_estimate(run, name, accum):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("model", ["mixed", "gpt", "resnet"])
+@pytest.mark.parametrize("model", ["mixed", "gpt", "resnet", "lora"])
 def test_mixed_precision_stage_equals_stage0(run, model, stage):
     """fp16 parameters and fp32 masters: stages 1-3 equal stage 0 of the same policy (losses, fp16 parameters
-    and fp32 masters, ``@master``), including a forced fp16 overflow skipped by all ranks (mixed). At 4 ranks
-    stage 3 only (suite time; stages 1-2 at 4 ranks: mp-accum)."""
+    and fp32 masters, ``@master``), including a forced fp16 overflow skipped by all ranks (mixed) and frozen
+    fp16 weights sharded at stage 3 (lora). At 4 ranks stage 3 only (suite time; stages 1-2 at 4 ranks:
+    mp-accum); the default suite's 2-rank launch runs stages 1-2 of the mixed net (``FULL_TIER_ONLY``)."""
     n, res = run
     for r in range(n):
         got, ref = res.load(r, f"mp-{model}-{stage}"), res.load(r, f"mp-{model}-0")
@@ -326,22 +330,33 @@ def test_mixed_precision_tracks_fp32_training(run):
 FP32_CELLS = {"mlp": (), "normed": ("1.", "4."), "gpt": ("block.ln1.", "block.ln2.", "ln_f.")}
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("model", [m for m, _ in AUTO_AMP_MODELS])
+def test_param_dtype_on_a_float32_network_stage_equals_stage0(run, model, stage):
+    """``param_dtype=float16`` on a float32 network that mindzero converts: stages 1-3 equal stage 0 of the same
+    policy over 20 steps, the skipped steps included (2 ranks; the default suite runs stage 3, the full tier
+    also stages 1-2: ``FULL_TIER_ONLY``)."""
+    n, res = run
+    if n == 4:
+        pytest.skip("run at 2 ranks only (suite time)")
+    for r in range(n):
+        got, ref = res.load(r, f"auto-{model}-{stage}"), res.load(r, f"auto-{model}-0")
+        assert_same_run(got, ref, f"auto-{model} stage {stage} rank {r}", rtol=RTOL_FP16)
+        assert got["overflows"].tolist() == ref["overflows"].tolist()
+
+
 @pytest.mark.parametrize("model", [m for m, _ in AUTO_AMP_MODELS])
 def test_param_dtype_on_a_float32_network(run, model):
     """``param_dtype=float16`` on a network built in float32 with no mixed-precision setup (an MLP; the example's
     attention block with embeddings and LayerNorm; BatchNorm and LayerNorm between Dense layers): mindzero makes
-    it compute in fp16 (AMP O2's rules). 2 ranks, 20 steps: stages 1-3 equal stage 0 of the same policy;
-    parameters held in 2 bytes (fp32 in the normalization Cells); no step skipped once the loss scale settled;
-    stage 0 within 2e-2 of the float32 run of the same network."""
+    it compute in fp16 (AMP O2's rules). 2 ranks, 20 steps of stage 0: parameters held in 2 bytes (fp32 in the
+    normalization Cells); no step skipped once the loss scale settled; within 2e-2 of the float32 run of the
+    same network (the stages against stage 0: the test above)."""
     n, res = run
     if n == 4:
         pytest.skip("run at 2 ranks only (suite time)")
     for r in range(n):
         ref, fp32 = res.load(r, f"auto-{model}-0"), res.load(r, f"auto32-{model}-0")
-        for stage in (1, 2, 3):
-            got = res.load(r, f"auto-{model}-{stage}")
-            assert_same_run(got, ref, f"auto-{model} stage {stage} rank {r}", rtol=RTOL_FP16)
-            assert got["overflows"].tolist() == ref["overflows"].tolist()
         held = {k[len("param/"):]: v.dtype for k, v in ref.items() if k.startswith("param/") and "@" not in k
                 and "moving_" not in k}
         kept = {k for k in held if k.startswith(FP32_CELLS[model])}

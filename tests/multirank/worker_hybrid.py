@@ -5,6 +5,7 @@ Plain data parallel over the 4 ranks, then stages 0-3 sharded inside op groups o
 (:func:`tests.support.scenarios.hybrid_scenarios`); a hybrid checkpoint (saved, reloaded into a fresh hybrid
 step); the group-layout errors. Files: ``<out>/rank_<r>/...``; ``test_hybrid.py`` checks.
 """
+import argparse
 import json
 import sys
 import time
@@ -97,7 +98,9 @@ def check_checkpoint(train, out_root, out_dir):
 
 
 def main():
-    worker = start()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--full-tier", action="store_true", help="the full tier's matrix (scenarios.FULL_TIER_ONLY too)")
+    worker = start(ap)
     out_root, out_dir = worker.out, worker.rank_dir
     groups = mindzero.create_hybrid_groups(op_size=2)
     world = resolve_world(*groups)
@@ -105,7 +108,7 @@ def main():
     with substitute_collectives():
         check_collectives(resolve_world(*groups), out_dir, "collectives_substitute.json")
     memory = {}
-    for scn in hybrid_scenarios():
+    for scn in hybrid_scenarios(worker.args.full_tier):
         t = time.time()
         result = run(scn, worker.world)
         np.savez(out_dir / f"{scn.name}.npz", **result.arrays)

@@ -110,13 +110,14 @@ def check_plan_mismatch(world, out_dir):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma-separated name prefixes of the scenarios to run")
+    ap.add_argument("--full-tier", action="store_true", help="the full tier's matrix (scenarios.FULL_TIER_ONLY too)")
     worker = start(ap)
     world, out_dir = worker.world, worker.rank_dir
     check_collectives(world, out_dir)
     check_plan_mismatch(world, out_dir)
     count_collectives(world, out_dir)
     memory = {}
-    for scn in parity_scenarios(world.world_size):
+    for scn in parity_scenarios(world.world_size, worker.args.full_tier):
         if worker.args.only and not scn.name.startswith(tuple(worker.args.only.split(","))):
             continue
         t = time.time()
