@@ -14,7 +14,9 @@ def test_free_ports_differ():
 
 def test_failing_rank_shows_its_log(tmp_path):
     with pytest.raises(AssertionError) as err:
-        msrun(WORKERS / "worker_fail.py", 2, tmp_path, ["--mode", "raise"], timeout=300)
+        # the survivor waits in a collective until MindSpore's scheduler declares the raised rank dead
+        # (MS_NODE_TIMEOUT, default 30 s): 10 s keeps the test short
+        msrun(WORKERS / "worker_fail.py", 2, tmp_path, ["--mode", "raise"], timeout=300, env={"MS_NODE_TIMEOUT": "10"})
     text = str(err.value)
     assert "rank 1 failed first (exit status 1)" in text and "log tail of rank 1" in text, text
     assert "deliberate failure on rank 1" in text, text

@@ -10,14 +10,22 @@ import pytest
 
 from mindzero.launch.local import msrun
 from tests.support.compare import load_npz
+from tests.support.tier import full_tier
 
 from . import WORKERS
 MARGIN_MIB = 64  # framework allocations during prepare (the plan check compiles a small graph)
 
 
-# every stage at 2 ranks; at 4 ranks the stages that shard something different (optimizer states only;
-# everything), to keep the suite's time: stage 0 holds everything, stage 2 holds parameters as stage 1
-STAGES_AT = {2: (0, 1, 2, 3), 4: (1, 3)}
+# The stages of the eager-vs-lazy comparisons and of the pretrained loads, by world size and tier. Every stage
+# at 2 ranks, but the default suite leaves the eager-vs-lazy comparison at stage 2 to the full tier (stage 2
+# builds and holds parameters as stage 1 does); at 4 ranks (full tier) the stages that shard something
+# different (optimizer states only; everything), to keep the suite's time.
+ALL_STAGES = (0, 1, 2, 3)
+STAGES_AT = {(2, True): (ALL_STAGES, ALL_STAGES), (2, False): ((0, 1, 3), ALL_STAGES), (4, True): ((1, 3), (1, 3))}
+
+
+def stages_arg(stages) -> str:
+    return ",".join(map(str, stages))
 
 
 # 4 ranks: the full tier (tests/conftest.py; the default suite keeps 4 ranks in test_launch's 2-node launch,
@@ -25,9 +33,10 @@ STAGES_AT = {2: (0, 1, 2, 3), 4: (1, 3)}
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.full)], ids=["2ranks", "4ranks"])
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"init{request.param}")
-    msrun(WORKERS / "worker_init.py", request.param, out, ["--stages", ",".join(map(str, STAGES_AT[request.param]))],
-          timeout=1500)
-    return request.param, out
+    compared, pretrained = STAGES_AT[request.param, full_tier(request.config)]
+    msrun(WORKERS / "worker_init.py", request.param, out,
+          ["--stages", stages_arg(compared), "--pretrained-stages", stages_arg(pretrained)], timeout=1500)
+    return request.param, out, compared, pretrained
 
 
 def load(out, rank, name):
@@ -41,9 +50,10 @@ def test_lazy_build_equals_eager_build(run, model, stage):
     final values equal the eager build's exactly: MindSpore's initializers, a user's own initializer, Sparse,
     re-initialisation with set_data (mindcv's vision transformer), NumPy-made, replicated and BatchNorm
     parameters."""
-    n, out = run
-    if stage not in STAGES_AT[n]:
-        pytest.skip(f"stage {stage} is compared at 2 ranks; at {n} ranks only stages {STAGES_AT[n]} (suite time)")
+    n, out, compared, _ = run
+    if stage not in compared:
+        pytest.skip(f"stage {stage} is not compared in this tier at {n} ranks (only stages {compared}; suite time: "
+                    "`bash scripts/test.sh --full` compares every stage at 2 ranks)")
     for r in range(n):
         eager, lazy = load(out, r, f"{model}-{stage}-eager"), load(out, r, f"{model}-{stage}-lazy")
         assert sorted(eager) == sorted(lazy)
@@ -59,7 +69,7 @@ def test_lazy_build_equals_eager_build(run, model, stage):
 def test_initial_values_are_random_and_shared_across_ranks(run):
     """Guards against a vacuous comparison: the lazily built values are not all zero, differ between
     parameters drawn from the same initializer, and are the same on every rank."""
-    n, out = run
+    n, out, *_ = run
     first = load(out, 0, "lm-3-lazy")
     assert np.std(first["init/lm.gpt.blocks.0.fc1.weight"]) > 0.01
     assert not np.array_equal(first["init/lm.gpt.blocks.0.fc1.weight"], first["init/lm.gpt.blocks.1.fc1.weight"])
@@ -75,7 +85,7 @@ def test_no_rank_holds_the_full_model_while_building_and_preparing(run, stage):
     within what the rank holds afterwards (shards; at stage 2 also the full parameters) plus one full tensor
     and a margin. The eager build of the same network, measured the same way, exceeds it by about the full
     parameters: the measurement does see a materialised model."""
-    n, out = run
+    n, out, *_ = run
     for r in range(n):
         m = json.loads((out / f"rank_{r}" / "memory.json").read_text())
         lazy, eager = m[f"lazy-{stage}"], m["eager-3"]
@@ -90,7 +100,7 @@ def test_no_rank_holds_the_full_model_while_building_and_preparing(run, stage):
 def test_different_seeds_fail_on_every_rank(run, stage):
     """The last rank built with another seed: prepare fails on every rank, naming a parameter and the ranks,
     instead of training different replicas."""
-    n, out = run
+    n, out, *_ = run
     for r in range(n):
         message = (out / f"rank_{r}" / f"seed_mismatch-{stage}.txt").read_text()
         assert f"rank {r}: the initial values of parameter 'lm." in message, (r, message)
@@ -106,7 +116,7 @@ def test_stage2_frees_each_gradient_as_backward_produces_it(run):
     of the gradient bytes more. Measured in fresh processes: stage 2 73 MiB, stage 1 112-117 MiB; stage 2
     compiled in MindSpore's default order (what it did before) 117 MiB, after which stage 1 grows by 6.5 MiB:
     both checks fail on it."""
-    n, out = run
+    n, out, *_ = run
     for r in range(n):
         m = json.loads((out / f"rank_{r}" / "memory.json").read_text())
         one, two = m["step-1"], m["step-2"]
@@ -120,9 +130,9 @@ def test_load_pretrained_equals_loading_before_prepare(run, stage):
     prefix, found by ``load_pretrained``) loaded into the prepared step gives the values, and the 3 steps of
     training, of the same file loaded the plain MindSpore way before prepare; at stage 3 also into a step
     built under ``lazy_init``."""
-    n, out = run
-    if stage not in STAGES_AT[n]:
-        pytest.skip(f"stage {stage} at 2 ranks; at {n} ranks only stages {STAGES_AT[n]} (suite time)")
+    n, out, compared, pretrained = run
+    if stage not in pretrained:
+        pytest.skip(f"stage {stage} at 2 ranks; at {n} ranks only stages {pretrained} (suite time)")
     for r in range(n):
         eager = load(out, r, f"pretrained-{stage}-eager")
         kinds = ("loaded", "lazy") if stage == 3 else ("loaded",)
@@ -131,7 +141,8 @@ def test_load_pretrained_equals_loading_before_prepare(run, stage):
             assert sorted(got) == sorted(eager) and len([k for k in got if k.startswith("init/")]) > 5
             for k in eager:
                 np.testing.assert_array_equal(got[k], eager[k], err_msg=f"stage {stage} {kind} rank {r} {k}")
-        ms_init = load(out, r, f"lm-{stage}-eager")  # the same network with its own random initialisation
+        # the same network with its own random initialisation (equal at every stage: the same seed)
+        ms_init = load(out, r, f"lm-{stage if stage in compared else compared[0]}-eager")
         assert not np.array_equal(eager["init/lm.gpt.blocks.0.fc1.weight"], ms_init["init/lm.gpt.blocks.0.fc1.weight"])
 
 
@@ -140,7 +151,7 @@ def test_load_pretrained_holds_only_shards_plus_one_tensor(run):
     step grows RSS by at most one tensor and a margin (each rank keeps its shard of each tensor as it reads
     it); MindSpore's own ``load_checkpoint`` of the same file, measured the same way, grows by about the
     whole file; the loaded values are the file's."""
-    n, out = run
+    n, out, *_ = run
     for r in range(n):
         m = json.loads((out / f"rank_{r}" / "memory.json").read_text())["load-3"]
         assert m["same_values"], m

@@ -12,6 +12,7 @@ Writes ``<out>/rank_<r>/``:
 import argparse
 import gc
 import json
+import time
 
 import numpy as np
 import mindspore as ms
@@ -275,8 +276,10 @@ def seed_mismatch(stage, world):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--stages", default="0,1,2,3", help="stages of the eager-vs-lazy comparisons")
+    ap.add_argument("--pretrained-stages", default="0,1,2,3", help="stages of the load_pretrained runs")
     worker = start(ap)
     world, out_dir = worker.world, worker.rank_dir
+    t = time.time()
     memory = {"lazy-3": peak_growth("wide", 3, True), "lazy-2": peak_growth("wide", 2, True),
               "eager-3": peak_growth("wide", 3, False)}  # lazy first: a fresh process
     # the smallest expected step peak first (the memory pool keeps its peak): stage 2, then stage 1, the control
@@ -290,14 +293,19 @@ def main():
     barrier(world)
     memory["load-3"] = load_peak(files / "wide.ckpt", world)
     (out_dir / "memory.json").write_text(json.dumps(memory, indent=1))
-    for stage in (int(s) for s in worker.args.stages.split(",")):
+    print(f"memory checks: {time.time() - t:.1f}s", flush=True)
+    for stage in (int(s) for s in worker.args.pretrained_stages.split(",")):
+        t = time.time()
         for kind, arrays in pretrained_runs(stage, files / "gpt.ckpt", world, lazy=stage == 3).items():
             np.savez(out_dir / f"pretrained-{stage}-{kind}.npz", **arrays)
+        print(f"pretrained stage {stage}: {time.time() - t:.1f}s", flush=True)
     for model in ("lm", "zoo", "vit"):
         for stage in (int(s) for s in worker.args.stages.split(",")):
+            t = time.time()
             for lazy in (False, True):
                 arrays = values_and_training(model, stage, lazy, world)
                 np.savez(out_dir / f"{model}-{stage}-{'lazy' if lazy else 'eager'}.npz", **arrays)
+            print(f"{model} stage {stage} eager and lazy: {time.time() - t:.1f}s", flush=True)
     for stage in (0, 3):
         (out_dir / f"seed_mismatch-{stage}.txt").write_text(seed_mismatch(stage, world))
     worker.finish()
