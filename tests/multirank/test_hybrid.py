@@ -13,7 +13,7 @@ from mindzero.launch.local import msrun
 from tests.support.compare import ON_CPU, RTOL_FP16, Results, assert_same_run, rel_err
 from tests.support.models import PARITY_MODELS
 from tests.support.scenarios import hybrid_scenarios
-from tests.support.tier import full_tier
+from tests.support.tier import full_tier, worker_args
 
 from . import WORKERS
 
@@ -24,9 +24,8 @@ MODELS = list(PARITY_MODELS)
 @pytest.fixture(scope="module")
 def res(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("hybrid")
-    full = full_tier(request.config)
-    msrun(WORKERS / "worker_hybrid.py", N, out, ["--full-tier"] if full else [], timeout=1800)
-    return Results(out, [s.name for s in hybrid_scenarios(full)], [s.name for s in hybrid_scenarios()],
+    msrun(WORKERS / "worker_hybrid.py", N, out, worker_args(request.config), timeout=1800)
+    return Results(out, [s.name for s in hybrid_scenarios(full_tier(request.config))], [s.name for s in hybrid_scenarios()],
                    "the default suite leaves it to the full tier (scenarios.FULL_TIER_ONLY; `bash scripts/test.sh --full`)")
 
 

@@ -15,7 +15,7 @@ from tests.support.compare import (ON_CPU, RTOL, RTOL_FP16, RTOL_FP16_ACCUM, RTO
                                    assert_parity_checks, assert_same_run, rel_err)
 from tests.support.models import PARITY_MODELS
 from tests.support.scenarios import AUTO_AMP_MODELS, parity_scenarios
-from tests.support.tier import full_tier
+from tests.support.tier import full_tier, worker_args
 
 from . import WORKERS
 
@@ -29,9 +29,8 @@ REDUCED = ("4 ranks run a reduced matrix for the suite's time (tests.support.sce
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.full)], ids=["2ranks", "4ranks"])
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"parity{request.param}")
-    full = full_tier(request.config)
-    msrun(WORKERS / "worker_parity.py", request.param, out, ["--full-tier"] if full else [], timeout=1800)
-    ran = [s.name for s in parity_scenarios(request.param, full)]
+    msrun(WORKERS / "worker_parity.py", request.param, out, worker_args(request.config), timeout=1800)
+    ran = [s.name for s in parity_scenarios(request.param, full_tier(request.config))]
     return request.param, Results(out, ran, [s.name for s in parity_scenarios(2)], REDUCED)
 
 

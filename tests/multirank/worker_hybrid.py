@@ -18,6 +18,7 @@ from mindzero.comm import (AllGather, AllReduceSum, ReduceScatterSum, current_wo
                            substitute_collectives)
 from tests.support.models import build, make_optimizer
 from tests.support.scenarios import hybrid_scenarios
+from tests.support.tier import add_worker_flag
 from tests.support.worker import run, start
 
 
@@ -99,7 +100,7 @@ def check_checkpoint(train, out_root, out_dir):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--full-tier", action="store_true", help="the full tier's matrix (scenarios.FULL_TIER_ONLY too)")
+    add_worker_flag(ap)
     worker = start(ap)
     out_root, out_dir = worker.out, worker.rank_dir
     groups = mindzero.create_hybrid_groups(op_size=2)

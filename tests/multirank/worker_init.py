@@ -273,10 +273,15 @@ def seed_mismatch(stage, world):
         return str(err)
 
 
+def stage_list(text: str) -> list:
+    """``"0,1,3"`` -> ``[0, 1, 3]`` (parsed once, by argparse)."""
+    return [int(s) for s in text.split(",")]
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--stages", default="0,1,2,3", help="stages of the eager-vs-lazy comparisons")
-    ap.add_argument("--pretrained-stages", default="0,1,2,3", help="stages of the load_pretrained runs")
+    ap.add_argument("--stages", type=stage_list, default="0,1,2,3", help="stages of the eager-vs-lazy comparisons")
+    ap.add_argument("--pretrained-stages", type=stage_list, default="0,1,2,3", help="stages of the load_pretrained runs")
     worker = start(ap)
     world, out_dir = worker.world, worker.rank_dir
     t = time.time()
@@ -294,13 +299,13 @@ def main():
     memory["load-3"] = load_peak(files / "wide.ckpt", world)
     (out_dir / "memory.json").write_text(json.dumps(memory, indent=1))
     print(f"memory checks: {time.time() - t:.1f}s", flush=True)
-    for stage in (int(s) for s in worker.args.pretrained_stages.split(",")):
+    for stage in worker.args.pretrained_stages:
         t = time.time()
         for kind, arrays in pretrained_runs(stage, files / "gpt.ckpt", world, lazy=stage == 3).items():
             np.savez(out_dir / f"pretrained-{stage}-{kind}.npz", **arrays)
         print(f"pretrained stage {stage}: {time.time() - t:.1f}s", flush=True)
     for model in ("lm", "zoo", "vit"):
-        for stage in (int(s) for s in worker.args.stages.split(",")):
+        for stage in worker.args.stages:
             t = time.time()
             for lazy in (False, True):
                 arrays = values_and_training(model, stage, lazy, world)

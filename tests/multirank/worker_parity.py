@@ -19,6 +19,7 @@ from mindzero.comm import AllGather, AnyRank, ReduceScatterSum
 from tests.support.data import batch
 from tests.support.models import build, make_optimizer
 from tests.support.scenarios import parity_scenarios
+from tests.support.tier import add_worker_flag
 from tests.support.worker import run, start
 
 def count_collectives(world, out_dir):
@@ -110,7 +111,7 @@ def check_plan_mismatch(world, out_dir):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma-separated name prefixes of the scenarios to run")
-    ap.add_argument("--full-tier", action="store_true", help="the full tier's matrix (scenarios.FULL_TIER_ONLY too)")
+    add_worker_flag(ap)
     worker = start(ap)
     world, out_dir = worker.world, worker.rank_dir
     check_collectives(world, out_dir)

@@ -12,3 +12,16 @@ FULL_REASON = ("full tier only (the default suite stays under 30 minutes on 2 co
 def full_tier(config) -> bool:
     """Whether this pytest session (its ``config``) runs the full tier."""
     return bool(config.getoption("--full")) or os.environ.get(FULL_ENV) == "1"
+
+
+WORKER_FLAG = "--full-tier"  # how a launch fixture tells its worker to run the full tier's matrix
+
+
+def worker_args(config) -> list:
+    """The worker's arguments that carry this session's tier (:data:`WORKER_FLAG` in the full tier)."""
+    return [WORKER_FLAG] if full_tier(config) else []
+
+
+def add_worker_flag(parser) -> None:
+    """The worker side: ``args.full_tier`` is True when the launch passed :data:`WORKER_FLAG`."""
+    parser.add_argument(WORKER_FLAG, action="store_true", help="the full tier's matrix (scenarios.FULL_TIER_ONLY too)")
