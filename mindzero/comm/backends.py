@@ -35,6 +35,7 @@ from mindspore import Tensor, nn, ops
 
 from ..core.topology import COLLECTIVES, EMULATED, SINGLE, SUBSTITUTE, World
 from ..engine.kernels import MAP, as_rows, flat_concat, own_part, own_shard
+from .quantize import QuantizedGather, bytes_to_words, words_to_bytes
 from .shard_gather import make_shard_gather
 
 
@@ -48,7 +49,10 @@ class Backend:
     * ``fused_reduce_scatter()``: ``(tensors, bucket) -> shards``, the same for a bucket in one collective
       (``bucket``: :meth:`mindzero.comm.cells.Bucket.of`);
     * ``shard_gather(numel, padding, reduce_dtype)``: the stage-3 gather primitive of one parameter and the
-      rows it keeps (see :mod:`mindzero.comm.shard_gather`).
+      rows it keeps (see :mod:`mindzero.comm.shard_gather`);
+    * ``quantized_gather(numel, padding, shard_size, block, reduce_dtype)``: the same gather sending int8 values
+      with fp32 block scales (:class:`mindzero.comm.quantize.QuantizedGather`: the op group's rows only, the
+      same exact backward), or ``None`` where nothing is gathered.
     """
 
     name = None
@@ -87,6 +91,9 @@ class SingleRank(Backend):
     def shard_gather(self, numel, padding, reduce_dtype=None):
         return None, None
 
+    def quantized_gather(self, numel, padding, shard_size, block, reduce_dtype=None):
+        return None
+
 
 class Emulated(Backend):
     """CPU: world collectives only. A reduce-scatter is an all-reduce of exactly the tensor plain data
@@ -113,6 +120,11 @@ class Emulated(Backend):
 
     def shard_gather(self, numel, padding, reduce_dtype=None):
         return _sum_then_slice_gather(self, numel, padding, reduce_dtype)
+
+    def quantized_gather(self, numel, padding, shard_size, block, reduce_dtype=None):
+        """A world all-gather of int32 words (CPU has no int8 all-gather), the op group's rows kept."""
+        return QuantizedGather(self._world_gather(), False, self.world.world_size, shard_size, block,
+                               self._rows_select(), _sum_then_slice_bprop(self, numel, padding, reduce_dtype, None))
 
 
 class Collectives(Backend):
@@ -152,6 +164,17 @@ class Collectives(Backend):
         if self.world.op_size == 1:  # an op group of one rank has no reduce-scatter to run: sum over the world
             return _sum_then_slice_gather(self, numel, padding, reduce_dtype)
         return self._shard_gather(numel, padding, reduce_dtype)
+
+    def quantized_gather(self, numel, padding, shard_size, block, reduce_dtype=None):
+        """An int8 all-gather over the op group; the backward is the exact gather's reduce-scatter."""
+        if self.world.op_size == 1:
+            return None
+        world = self.world
+        gather = self._op("all_gather") if world.hybrid else self._primitive("all_gather", world.world_group,
+                                                                              tuple(range(world.world_size)))
+        return QuantizedGather(gather, True, world.op_size, shard_size, block, None,
+                               _reduce_scatter_bprop(self._op("reduce_scatter"), self._dp_sum(), reduce_dtype, None,
+                                                     world.world_size))
 
     def _shard_gather(self, numel, padding, reduce_dtype):
         group = self.world.op_group if self.world.hybrid else self.world.world_group
@@ -195,6 +218,14 @@ def _sum_then_slice_gather(backend: Backend, numel, padding, reduce_dtype):
     group's rows of the gradient, unpadded, over the world and keeps this rank's padded slice: exactly the
     tensor plain data parallel all-reduces, so the result is bit-identical to stage 0's."""
     world, select = backend.world, backend._rows_select()
+    bprop = _sum_then_slice_bprop(backend, numel, padding, reduce_dtype, select)
+    return make_shard_gather(backend, world.world_group, numel, padding, reduce_dtype, select, bprop)
+
+
+def _sum_then_slice_bprop(backend: Backend, numel, padding, reduce_dtype, select):
+    """The backward of :func:`_sum_then_slice_gather` (``select``: the op group's rows of a world gather's
+    gradient; ``None``: the gradient has the op group's rows only)."""
+    world = backend.world
     total = backend._world_sum()
     dtype = None if reduce_dtype is None else getattr(ms, reduce_dtype)
     rows, op_rank, op_size = world.world_size, world.op_rank, world.op_size
@@ -207,9 +238,9 @@ def _sum_then_slice_gather(backend: Backend, numel, padding, reduce_dtype):
             grad = ops.gather(grad.reshape((rows, -1)), select, 0).reshape((-1,))
         if padding:
             grad = grad[:numel]
-        return (own_shard(total(grad), padding, op_rank, op_size),)
+        return (_as_shard_dtype(own_shard(total(grad), padding, op_rank, op_size), x),)
 
-    return make_shard_gather(backend, world.world_group, numel, padding, reduce_dtype, select, bprop)
+    return bprop
 
 
 def _reduce_scatter_bprop(reduce_scatter, dp_sum, reduce_dtype, select, rows):
@@ -225,9 +256,18 @@ def _reduce_scatter_bprop(reduce_scatter, dp_sum, reduce_dtype, select, rows):
         grad = reduce_scatter(dout)
         if dp_sum is not None:
             grad = dp_sum(grad)
-        return (grad,)
+        return (_as_shard_dtype(grad, x),)
 
     return bprop
+
+
+def _as_shard_dtype(grad, shard):
+    """A gradient reduced in 16 bits for an fp32 shard (``reduce_dtype`` without ``param_dtype``) widened back
+    after the collective: every read of a tied parameter then adds gradients of one dtype. (A wider reduction
+    of a ``param_dtype`` shard stays wide: the fp32 masters take it.)"""
+    if shard.dtype == ms.float32 and grad.dtype != ms.float32:
+        return ops.cast(grad, ms.float32)
+    return grad
 
 
 def _substitute(kind: str, world: World, ranks: tuple):
@@ -247,6 +287,9 @@ def _substitute(kind: str, world: World, ranks: tuple):
         return acc
 
     def all_gather(x):
+        if x.dtype == ms.int8:  # no int8 all-gather on CPU: the same bytes travel as int32 words
+            words = of_group(bytes_to_words(ops.cast(x, ms.int32))).reshape((-1,))
+            return ops.cast(words_to_bytes(words), ms.int8)
         return of_group(x).reshape((-1,))
 
     def all_reduce(x):

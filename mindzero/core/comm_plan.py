@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .config import FusionConfig, StagePolicy
+from .quant import payload_bytes
 from .deprecation import warn_renamed
 from .topology import COLLECTIVES, EMULATED, World
 from .state import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommBucket, ParamState, ZeroState
@@ -85,12 +86,20 @@ def reduce_scatter_calls(specs, world: World, phase: str) -> list:
     return calls
 
 
-def all_gather_calls(specs, world: World, phase: str) -> list:
-    """One fused all-gather of ``specs``' shards over the op group."""
+def gathered_bytes(spec, quant=None) -> int:
+    """Bytes one rank sends in a gather of ``spec``'s shard: the shard, or with ``quant`` (a
+    :class:`~mindzero.core.quant.GatherQuantization` that applies to it) its int8 values and fp32 block scales."""
+    if quant is not None and quant.applies(spec.name, spec.shape):
+        return payload_bytes(spec.shard_size, quant.block_size)
+    return spec.shard_size * spec.itemsize
+
+
+def all_gather_calls(specs, world: World, phase: str, quant=None) -> list:
+    """One fused all-gather of ``specs``' shards over the op group (``quant``: stage 3's quantized gathers)."""
     if world.op_size == 1:
         return []
     ranks = world.world_size if world.emulated else world.op_size
-    return [Call("all_gather", phase, ranks, sum(s.shard_size * s.itemsize for s in specs) * ranks, len(specs))]
+    return [Call("all_gather", phase, ranks, sum(gathered_bytes(s, quant) for s in specs) * ranks, len(specs))]
 
 
 def all_reduce_calls(specs, world: World, phase: str) -> list:
@@ -138,16 +147,17 @@ def step_calls(state, world: World) -> list:
     if config.policy.shard_parameters:
         sharded = [p for p in state.params if p.sharded]
         frozen = [s for s in state.plan if s.frozen] if state.plan is not None else []
+        quant = config.gather_quantization
         for spec in [p.spec for p in sharded] + frozen:  # one gather per parameter where it is used
-            micro += all_gather_calls([spec], world, "forward")
+            micro += all_gather_calls([spec], world, "forward", quant)
         for p in reversed(sharded):
             if state.regather:
-                micro += all_gather_calls([p.spec], world, "backward")
+                micro += all_gather_calls([p.spec], world, "backward", quant)
             micro += reduce_scatter_calls([p.reduce_spec], world, "backward")
         # a frozen weight has no gradient to reduce; backward gathers it again where the gradient of its
         # layer's input is needed (every frozen layer above the lowest trainable one): at most once each
         if state.regather:
-            micro += [c for s in frozen for c in all_gather_calls([s], world, "backward")]
+            micro += [c for s in frozen for c in all_gather_calls([s], world, "backward", quant)]
     for b in state.micro:
         micro += reduce_scatter_calls(b.specs, world, "backward")
     for b in state.boundary:

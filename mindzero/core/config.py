@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from .checks import is_int, is_number, require_bool, require_int
+from .quant import GatherQuantization
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,11 @@ class MixedPrecision:
     ``"float16"``/``"bfloat16"``: the network holds its optimized parameters in that dtype (full at stages
     0-2, shards at stage 3) and the optimizer updates fp32 master values (full at stage 0, shards from
     stage 1), cast back after each update. ``reduce_dtype``: the dtype gradients are reduced (and
-    accumulated) in: ``param_dtype`` (the default, half the bytes of fp32) or ``"float32"``.
+    accumulated) in: ``param_dtype`` (the default, half the bytes of fp32) or ``"float32"``. Without
+    ``param_dtype`` (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=...)`` alone): ``"float16"`` or ``"bfloat16"``
+    reduces the gradients of fp32 parameters in 16 bits, widened to fp32 before the mean (no masters: the
+    parameters are fp32); ``"float16"`` needs a loss scale (:meth:`ZeroConfig` checks), ``"float32"`` is
+    the default.
     """
 
     param_dtype: str = None
@@ -78,11 +83,11 @@ class MixedPrecision:
             ValueError: naming the argument, the value and the rule.
         """
         if param_dtype is None:
-            if reduce_dtype is not None:
-                raise ValueError(f"reduce_dtype={reduce_dtype!r} needs param_dtype: reduce_dtype is the dtype "
-                                 "gradients of a mixed-precision run are reduced in; pass param_dtype=float16 "
-                                 "or bfloat16 too, or leave reduce_dtype=None")
-            return MixedPrecision()
+            reduce = None if reduce_dtype is None else dtype_name(reduce_dtype)
+            if reduce not in (None, MASTER_DTYPE, *PARAM_DTYPES):
+                raise ValueError(f"reduce_dtype must be None, float32, float16 or bfloat16 (a 16-bit dtype reduces "
+                                 f"gradients in half the bytes), got {reduce_dtype!r}")
+            return MixedPrecision(None, None if reduce == MASTER_DTYPE else reduce)
         param = dtype_name(param_dtype)
         if param not in PARAM_DTYPES:
             raise ValueError(f"param_dtype must be None, float16 or bfloat16 (mindspore dtype or name), "
@@ -95,7 +100,19 @@ class MixedPrecision:
 
     @property
     def enabled(self) -> bool:
+        """Parameters held in ``param_dtype`` with fp32 masters."""
         return self.param_dtype is not None
+
+    @property
+    def reduce_in(self):
+        """The dtype (name) gradients are reduced and accumulated in, when not their parameters' own: with
+        ``param_dtype``, ``reduce_dtype``; without it, a 16-bit ``reduce_dtype`` or ``None``."""
+        return self.reduce_dtype
+
+    @property
+    def widens(self) -> bool:
+        """Whether reduced gradients are cast to fp32 before the mean (masters, or a 16-bit reduction)."""
+        return self.reduce_dtype is not None
 
     def held(self, dtype: str, optimized: bool, keep_fp32: bool = False) -> str:
         """The dtype a parameter of ``dtype`` is held in: ``param_dtype`` for an optimized float32 one, unless
@@ -280,6 +297,7 @@ class ZeroConfig:
     optimizer_offload: bool = False
     stage3_regather: bool = True
     shard_frozen: bool = True  # stage 3 shards the parameters the optimizer does not update and the network reads
+    gather_quantization: Optional[GatherQuantization] = None  # stage 3: int8 weight gathers (core/quant.py)
 
     def __post_init__(self):
         if self.precision is None:
@@ -299,6 +317,19 @@ class ZeroConfig:
             require_bool(name, getattr(self, name))
         if not is_number(self.clip_norm) or not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be a number > 0, got {self.clip_norm!r}")
+        quant = self.gather_quantization
+        if quant is not None:
+            if not isinstance(quant, GatherQuantization):
+                raise ValueError(f"gather_quantization must be None or a GatherQuantization, got {quant!r}")
+            if not self.policy.shard_parameters:
+                raise ValueError(f"gather_quantization={quant.kind!r} needs zero_stage=3: it quantizes stage 3's "
+                                 f"weight gathers, and zero_stage={self.zero_stage} has none (stages 1-2 gather "
+                                 "into the full parameter each rank keeps, which must stay exact)")
+        if self.precision.reduce_dtype == "float16" and not self.precision.enabled and self.loss_scale.value == 1.0 \
+                and self.loss_scale.dynamic is None and self.loss_scale.manager is None:
+            raise ValueError("reduce_dtype='float16' without param_dtype needs a loss scale, so that small "
+                             "gradients do not underflow in fp16: pass scale_sense (a number > 1, e.g. 1024, or "
+                             "nn.DynamicLossScaleUpdateCell(2**16, 2, 1000)); got scale_sense=1.0")
 
     @property
     def policy(self) -> StagePolicy:
@@ -327,7 +358,8 @@ class ZeroConfig:
                           fusion=parse_comm_fusion(a["comm_fusion"]),
                           groups=GroupPolicy(a["optimizer_parallel_group"], a["dp_group"], a["hybrid_shard_size"]),
                           optimizer_offload=a["optimizer_offload"], stage3_regather=a["stage3_regather"],
-                          shard_frozen=a["shard_frozen"])
+                          shard_frozen=a["shard_frozen"],
+                          gather_quantization=GatherQuantization.parse(a["gather_quantization"]))
 
 
 #: ``prepare_train_network``'s options and their defaults (its signature repeats them: a test holds the two
@@ -337,7 +369,7 @@ ARGUMENT_DEFAULTS = {
     "clip_grad": False, "clip_norm": 1.0, "verbose": False, "zero_stage": 0, "optimizer_offload": False,
     "optimizer_parallel_group": None, "dp_group": None, "comm_fusion": None, "parallel_modules": None,
     "stage3_regather": True, "param_dtype": None, "reduce_dtype": None, "shard_frozen": True,
-    "hybrid_shard_size": None,
+    "gather_quantization": None, "hybrid_shard_size": None,
 }
 #: the options a settings file cannot hold (objects of the running job)
 NOT_IN_SETTINGS = ("optimizer_parallel_group", "dp_group", "parallel_modules")
@@ -352,7 +384,9 @@ def check_option(key: str, value) -> None:
     if key in ("ema", "updates"):
         EmaPolicy.parse(value if key == "ema" else 0.5, value if key == "updates" else 0)
     elif key in ("param_dtype", "reduce_dtype"):
-        MixedPrecision.parse(value if key == "param_dtype" else "float16", value if key == "reduce_dtype" else None)
+        MixedPrecision.parse(value, None) if key == "param_dtype" else MixedPrecision.parse(None, value)
+    elif key == "gather_quantization":
+        GatherQuantization.parse(value)
     else:
         ZeroConfig.from_arguments({key: value})
 

@@ -34,6 +34,7 @@ from .config import MixedPrecision, stage_policy
 from .memory import KINDS, expected_bytes
 from .checks import is_int, require_int
 from .plan import ParamInfo, PartitionPlan, param_infos
+from .quant import GatherQuantization
 
 # per-parameter state tensors of each optimizer (as mindzero's memory report counts them)
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "sgd": 2, "momentum": 1}
@@ -76,7 +77,7 @@ def _param_infos(network_or_param_shapes, precision: MixedPrecision):
 
 def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, optimizer: str = "adamw",
                     mixed_precision: bool = False, gradient_accumulation: bool = True, param_dtype=None,
-                    reduce_dtype=None) -> dict:
+                    reduce_dtype=None, gather_quantization=None) -> dict:
     """Bytes per rank by kind that ``prepare_train_network`` will allocate, and the paper's formula.
 
     Args:
@@ -87,6 +88,8 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, o
         gradient_accumulation: count the persistent gradient buffers (``gradient_accumulation_steps > 1``).
         mixed_precision: shorthand for ``param_dtype="float16"``; ``param_dtype``, ``reduce_dtype``: the
             mixed-precision policy of ``prepare_train_network`` (fp32 masters and moments).
+        gather_quantization: stage 3's option of ``prepare_train_network``: adds ``quantization_buffers``
+            (the int8 payloads of this rank's shards kept from forward to backward; transient, not in ``total``).
 
     Returns:
         ``{"parameters", "gradients", "optimizer_states", "total": int, "phi": int,
@@ -105,7 +108,11 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, o
     precision = MixedPrecision.parse(param_dtype, reduce_dtype)
     infos = _param_infos(network_or_param_shapes, precision)
     plan = PartitionPlan.build(infos, group_size, 0)
-    out = expected_bytes(plan, policy, OPTIMIZER_STATES[key], gradient_accumulation, precision=precision)
+    quant = GatherQuantization.parse(gather_quantization)
+    if quant is not None and not policy.shard_parameters:
+        raise ValueError(f"gather_quantization={quant.kind!r} needs zero_stage=3 (stage 3's weight gathers), "
+                         f"got zero_stage={zero_stage}")
+    out = expected_bytes(plan, policy, OPTIMIZER_STATES[key], gradient_accumulation, precision=precision, quant=quant)
     out["total"] = sum(out[k] for k in KINDS)
     phi = sum(math.prod(i.shape) for i in infos if i.optimized)
     formula = paper_formula(phi, zero_stage, group_size, precision.enabled, OPTIMIZER_STATES[key])

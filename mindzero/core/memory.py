@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from .config import MixedPrecision, StagePolicy
 from .plan import PartitionPlan, dtype_bytes
+from .quant import payload_bytes
 
 KINDS = ("parameters", "gradients", "optimizer_states")
 
 
 def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accumulate: bool,
-                   ema: bool = False, precision: MixedPrecision = MixedPrecision()) -> dict:
+                   ema: bool = False, precision: MixedPrecision = MixedPrecision(), quant=None) -> dict:
     """Per-rank bytes by kind that ``plan`` predicts (pure arithmetic, no MindSpore).
 
     Args:
@@ -41,6 +42,9 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
         accumulate: gradient accumulation buffers exist (``gradient_accumulation_steps > 1``).
         ema: an EMA of the optimized parameters is kept (reported under ``ema``, held like the parameters).
         precision: the mixed-precision policy: fp32 masters and states, buffers in ``reduce_dtype``.
+        quant: stage 3's :class:`~mindzero.core.quant.GatherQuantization` (or ``None``): reported under
+            ``quantization_buffers`` (only then), the payloads (int8 values and fp32 scales of this rank's shards) a step
+            keeps from forward to the backward re-gather; transient (alive during a step), not in the kinds.
     """
     out = dict.fromkeys(KINDS, 0)
     out["ema"] = 0
@@ -62,7 +66,11 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
                                                              and not policy.shard_parameters):
             out["master_shards"] += state_numel * wide
         if accumulate:
-            grad_item = dtype_bytes(precision.reduce_dtype) if mixed else s.itemsize
+            narrow = precision.reduce_in and (mixed or s.dtype == "float32")
+            grad_item = dtype_bytes(precision.reduce_in) if narrow else s.itemsize
             out["gradients"] += (s.shard_size if (policy.shard_gradients and s.sharded) else s.numel) * grad_item
     out["optimizer_states"] = out["optimizer_moments"] + out["master_shards"]
+    if quant is not None:
+        out["quantization_buffers"] = sum(payload_bytes(s.shard_size, quant.block_size) for s in plan
+                                          if policy.shard_parameters and s.sharded and quant.applies(s.name, s.shape))
     return out

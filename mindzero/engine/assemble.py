@@ -73,7 +73,8 @@ def _param_states(optimizer, plan: PartitionPlan, config: ZeroConfig) -> tuple:
     precision, out = config.precision, []
     for p in optimizer.parameters:
         spec = plan[p.name]
-        reduce_spec = dataclasses.replace(spec, dtype=precision.reduce_dtype) if precision.enabled else spec
+        reduce_in = precision.reduce_in if spec.dtype == "float32" or precision.enabled else None
+        reduce_spec = dataclasses.replace(spec, dtype=reduce_in) if reduce_in else spec
         out.append(ParamState(p.name, p, spec, reduce_spec, spec.sharded and config.policy.shard_optimizer_states,
                               weight=p, target=p))
     return tuple(out)
@@ -97,7 +98,7 @@ def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: Par
     if policy.shard_parameters:
         check_pynative_recompute(network, specs)
         shards = shard_network_parameters(network, specs, world, config.stage3_regather, digests,
-                                          precision.reduce_dtype)
+                                          precision.reduce_in, config.gather_quantization)
         for ps in params:
             if ps.sharded:  # the network holds the shard now; keep no reference to the full Parameter
                 ps.weight = ps.target = shards[ps.name]
@@ -132,11 +133,11 @@ def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: Par
 
 def _accumulation_buffers(config: ZeroConfig, params: tuple) -> None:
     """With ``gradient_accumulation_steps > 1``, each :class:`ParamState`'s buffer: a shard from stage 2
-    (sharded parameters), else full; in ``reduce_dtype`` with mixed precision."""
+    (sharded parameters), else full; in the dtype gradients are reduced in."""
     if config.gradient_accumulation_steps == 1:
         return
     for ps in params:
         shard = ps.sharded and config.policy.shard_gradients
         shape = (ps.reduce_spec.shard_size,) if shard else tuple(ps.spec.shape)
-        dtype = getattr(ms, ps.reduce_spec.dtype) if config.precision.enabled else ps.weight.dtype
+        dtype = getattr(ms, ps.reduce_spec.dtype)
         ps.accum = Parameter(ops.zeros(shape, dtype), name="zero_accum." + ps.name, requires_grad=False)

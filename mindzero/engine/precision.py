@@ -79,6 +79,11 @@ def check_precision(precision: MixedPrecision, optimizer, world) -> None:
         ValueError: bfloat16 on CPU (MindSpore 2.10 has no bfloat16 Dense/MatMul kernels there), or an
             optimized parameter that is not float32 (its fp32 master and states come from it).
     """
+    if precision.reduce_dtype == "bfloat16" and not precision.enabled and world.device == "CPU":
+        raise ValueError("reduce_dtype=bfloat16 is not supported on CPU: mindzero refuses bfloat16 there as it "
+                         "refuses param_dtype=bfloat16 (MindSpore 2.10 has no bfloat16 Dense/MatMul kernels on CPU; "
+                         "its bfloat16 collectives are not verified there); use reduce_dtype=float16 with a loss "
+                         "scale on CPU (bfloat16 on GPU/Ascend)")
     if not precision.enabled:
         return
     if precision.param_dtype == "bfloat16" and world.device == "CPU":

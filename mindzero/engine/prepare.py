@@ -26,7 +26,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
                           gradient_accumulation_steps=1, clip_grad=False, clip_norm=1.0, verbose=False,
                           zero_stage=0, optimizer_offload=False, optimizer_parallel_group=None, dp_group=None,
                           comm_fusion=None, parallel_modules=None, stage3_regather=True, param_dtype=None,
-                          reduce_dtype=None, shard_frozen=True, config=None):
+                          reduce_dtype=None, shard_frozen=True, gather_quantization=None, config=None):
     """Wrap ``network`` (which returns the loss) and ``optimizer`` into a ZeRO train step.
 
     Must be called on all ranks, with the same network and optimizer structure,
@@ -68,12 +68,20 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
             ``to_float(ms.float32)`` (LayerNorm, BatchNorm) get fp32 copies. Memory: the ZeRO paper's
             16Φ, 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N. See docs/stages.md.
         reduce_dtype: with ``param_dtype``: the dtype gradients are reduced and accumulated in: ``None``
-            (= ``param_dtype``, half the bytes of fp32) or ``ms.float32``; the optimizer gets fp32.
+            (= ``param_dtype``, half the bytes of fp32) or ``ms.float32``; the optimizer gets fp32. Without
+            ``param_dtype``: ``None``/``ms.float32`` (gradients reduced in their parameters' dtype), or
+            ``ms.float16`` (needs a loss scale: ``scale_sense``) / ``ms.bfloat16`` (GPU/Ascend): fp32 parameters
+            whose gradients are reduced in 16 bits (half the bytes) and widened to fp32 before the mean.
         shard_frozen: stage 3 also shards the parameters the optimizer does not update and the network only
             reads (a frozen backbone; adapter fine-tuning): gathered like the others, with no gradient
             reduction. Buffers the network writes (BatchNorm's statistics, a Parameter a Cell assigns to:
             :func:`mindzero.core.plan.written_buffers`) stay per rank. ``False``: every frozen parameter is
             kept whole on every rank.
+        gather_quantization: stage 3 only: ``None`` (exact gathers), ``"int8"`` or a mapping ``{"kind": "int8",
+            "block_size": 256, "min_numel": 65536, "exclude": ["*bias*", "*norm*", ...]}``: the forward and
+            backward weight gathers send int8 values with one fp32 scale per block (ZeRO++'s qwZ; about a
+            quarter of fp32's bytes); what a rank stores stays exact. Error bound and when to use it:
+            docs/stages.md.
         parallel_modules: mindone's argument; not needed (stage 3 works for any Cell): a value raises
             ``NotImplementedError``.
         config: a settings file (YAML path) or mapping (:func:`mindzero.load_config`) holding any of the
@@ -92,7 +100,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
                      verbose=verbose, zero_stage=zero_stage, optimizer_offload=optimizer_offload,
                      optimizer_parallel_group=optimizer_parallel_group, dp_group=dp_group, comm_fusion=comm_fusion,
                      parallel_modules=parallel_modules, stage3_regather=stage3_regather, param_dtype=param_dtype,
-                     reduce_dtype=reduce_dtype, shard_frozen=shard_frozen)
+                     reduce_dtype=reduce_dtype, shard_frozen=shard_frozen, gather_quantization=gather_quantization)
     if config is not None:
         settings = {k: v for k, v in resolve_settings(config).items() if k != "checkpoint"}
         arguments = merge_settings(arguments, settings)

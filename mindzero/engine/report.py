@@ -27,7 +27,8 @@ def memory_report(train_net) -> dict:
         "optimizer_states": moments + masters,
         "ema": sum(_nbytes(p) for p in train_net.ema.ema_weights) if train_net.has_ema else 0,
         "expected": expected_bytes(info.plan, info.config.policy, len(info.state_attrs),
-                                   info.config.gradient_accumulation_steps > 1, train_net.has_ema, info.precision),
+                                   info.config.gradient_accumulation_steps > 1, train_net.has_ema, info.precision,
+                                   info.config.gather_quantization),
         "stage": info.config.zero_stage,
         "op_size": info.world.op_size,  # the op group: what the shards divide by
         "dp_size": info.world.dp_size,
@@ -57,6 +58,17 @@ def plan_text(train_net) -> str:
     if info.precision.enabled:
         lines.append(f"mixed precision: parameters {info.precision.param_dtype}, gradients reduced in "
                      f"{info.precision.reduce_dtype}, fp32 masters and optimizer states")
+    if info.precision.reduce_dtype is not None and not info.precision.enabled:
+        lines.append(f"gradients of fp32 parameters reduced in {info.precision.reduce_dtype}, widened to fp32 "
+                     "before the mean")
+    quant = config.gather_quantization
+    if quant is not None:
+        quantized = [s for s in info.plan if s.sharded and quant.applies(s.name, s.shape)]
+        exact = sum(s.shard_size * s.itemsize for s in quantized)
+        lines.append(f"weight gathers: {quant.kind} with an fp32 scale per {quant.block_size} elements for "
+                     f"{len(quantized)} of {len(info.plan.sharded)} sharded parameters: "
+                     f"{report['expected']['quantization_buffers'] / mib:.3f} MiB sent per gather round instead of "
+                     f"{exact / mib:.3f} MiB (kept from forward for the backward re-gather)")
     lines.append("persistent bytes per rank (measured = plan):")
     for kind in ("parameters", "gradients", "optimizer_states"):
         lines.append(f"  {kind:<17} {report[kind] / mib:10.3f} MiB (plan {report['expected'][kind] / mib:.3f} MiB)")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import nn, ops
 
+from ..comm.backends import backend_of
 from ..comm.cells import ReduceScatterSum, shard_gather
 from ..core.plan import ShardSpec
 from ..core.topology import World
@@ -46,9 +47,14 @@ class GatherFull(nn.Cell):
     (CPU: AllReduce of ``numel`` elements + slice).
     """
 
-    def __init__(self, spec: ShardSpec, world: World, compute_dtype=None, reduce_dtype=None):
+    def __init__(self, spec: ShardSpec, world: World, compute_dtype=None, reduce_dtype=None, quant_block=None):
         super().__init__(auto_prefix=False)
         self.compute_dtype = compute_dtype  # the reading Cell's to_float() dtype, else None
+        self.quantized = False
+        if quant_block is not None:  # gather_quantization: int8 values and fp32 block scales on the wire
+            self.qgather = backend_of(world).quantized_gather(spec.numel, spec.padding, spec.shard_size, quant_block,
+                                                              reduce_dtype)
+            self.quantized = self.qgather is not None
         self.gather, select = shard_gather(world, spec.numel, spec.padding, reduce_dtype)
         self.reduce_dtype = None if reduce_dtype is None else getattr(ms, reduce_dtype)
         self.identity = self.gather is None
@@ -64,13 +70,16 @@ class GatherFull(nn.Cell):
         self.reduce_scatter = ReduceScatterSum(world)
 
     @staticmethod
-    def key(spec: ShardSpec, compute_dtype=None) -> tuple:
+    def key(spec: ShardSpec, compute_dtype=None, quant_block=None) -> tuple:
         """Parameters with equal keys can share one instance."""
-        return tuple(spec.shape), spec.padding, compute_dtype
+        return tuple(spec.shape), spec.padding, compute_dtype, quant_block
 
     def regather(self):
-        """Recompute the gather chain in backward instead of keeping the full value from forward."""
+        """Recompute the gather chain in backward instead of keeping the full value from forward (quantized:
+        the collective and the decode; the payload is kept from forward, so each shard is quantized once)."""
         prims = [self.slice, self.reshape, self.cast]
+        if self.quantized:
+            self.qgather.recompute()
         if not self.identity:
             prims.append(self.gather)
         if self.has_select:
@@ -80,7 +89,9 @@ class GatherFull(nn.Cell):
 
     def rebuild(self, shard):
         full = shard
-        if not self.identity:
+        if self.quantized:
+            full = self.qgather(self.qgather.payload(shard), shard)
+        elif not self.identity:
             full = self.gather(shard)
             if self.has_select:
                 full = self.reshape(self.take(self.reshape(full, (self.rows, -1)), self.select, 0), (-1,))
@@ -96,7 +107,10 @@ class GatherFull(nn.Cell):
 
     def bprop(self, shard, out, dout):  # PyNative (see the class note)
         dtype = shard.dtype if self.reduce_dtype is None else self.reduce_dtype
-        return (self.reduce_scatter(ops.cast(dout, dtype).reshape((-1,)), self.padding),)
+        grad = self.reduce_scatter(ops.cast(dout, dtype).reshape((-1,)), self.padding)
+        if shard.dtype == ms.float32 and grad.dtype != ms.float32:  # 16-bit reduction of an fp32 parameter
+            grad = ops.cast(grad, ms.float32)
+        return (grad,)
 
 
 def _full_property(attr: str, graph_mode: bool) -> property:
@@ -175,7 +189,7 @@ def check_pynative_recompute(network: nn.Cell, specs: dict) -> None:
 
 
 def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regather: bool = True,
-                             digests=None, reduce_dtype=None) -> dict:
+                             digests=None, reduce_dtype=None, quantization=None) -> dict:
     """Stage 3: replace every sharded Parameter of ``network`` by its shard, in place.
 
     Args:
@@ -187,7 +201,9 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regath
             memory about one layer's parameters instead of the whole model's; docs/performance.md).
             PyNative ignores it (its recompute loses the gather's ``bprop``).
         digests: receives the CRC32 of each full value computed (see :func:`make_shard`).
-        reduce_dtype: mixed precision: the dtype (name) the gathers' backward reduces gradients in.
+        reduce_dtype: the dtype (name) the gathers' backward reduces gradients in (``None``: the shard's).
+        quantization: ``None``, or the :class:`~mindzero.core.quant.GatherQuantization` deciding which
+            parameters' gathers send int8 values with fp32 block scales.
 
     Returns:
         parameter name -> shard Parameter (one per full Parameter, shared by tied uses).
@@ -203,9 +219,11 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regath
             if param.name not in shards:
                 shards[param.name] = make_shard(param, spec, param.name, param.requires_grad, digests)
             dtype = compute_dtype(cell)
-            key = GatherFull.key(spec, dtype)
+            block = quantization.block_size if quantization is not None and quantization.applies(
+                param.name, spec.shape) else None
+            key = GatherFull.key(spec, dtype, block)
             if key not in gathers:
-                gathers[key] = GatherFull(spec, world, dtype, reduce_dtype)
+                gathers[key] = GatherFull(spec, world, dtype, reduce_dtype, block)
                 if regather and ms.get_context("mode") == ms.GRAPH_MODE:
                     gathers[key].regather()
             del cell._params[attr]

@@ -230,7 +230,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         n = len(state.params)
         self.micro = Reduction(n, state.micro, world)  # stage 2's reduce-scatter of each micro-step's gradients
         # the reductions at the accumulation boundary; mixed precision widens to fp32 (the optimizer's masters)
-        self.boundary = Reduction(n, state.boundary, world, scale=True, widen=config.precision.enabled)
+        self.boundary = Reduction(n, state.boundary, world, scale=True, widen=config.precision.widens)
         # per gradient (optimizer order): (norm kind, padding) for the clip norm (see norm_sq_one)
         self.norm_kinds = tuple(ps.norm_kind for ps in state.params)
         self.norm_paddings = tuple(ps.reduce_spec.padding for ps in state.params)
@@ -239,8 +239,8 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.has_write_back = bool(state.master_pairs)
         if self.has_write_back:
             self.write_back = WriteBack(state)
-        # mixed precision: gradients are reduced (and accumulated) in reduce_dtype
-        self.reduce_dtype = getattr(ms, config.precision.reduce_dtype) if config.precision.enabled else None
+        # gradients are reduced (and accumulated) in reduce_dtype (mixed precision, or 16-bit reduction alone)
+        self.reduce_dtype = getattr(ms, config.precision.reduce_in) if config.precision.reduce_in else None
         self.accum_steps = config.gradient_accumulation_steps
         self.world_size = world.world_size
         if self.accum_steps > 1:

@@ -86,9 +86,12 @@ def test_bad_value_names_file_key_value_rule(tmp_path, key, value, rule):
 
 
 def test_reduce_dtype_without_param_dtype_names_reduce_dtype(tmp_path):
-    path = write(tmp_path, {"reduce_dtype": "float32"})
-    with pytest.raises(ConfigError, match=rf"{path}: key 'reduce_dtype': value 'float32': reduce_dtype='float32' "
-                                          "needs param_dtype"):
+    """Without param_dtype a 16-bit reduce_dtype (or float32, the default) is accepted; anything else names the
+    key, the value and the rule."""
+    assert load_config(write(tmp_path, {"reduce_dtype": "float16"}))["reduce_dtype"] == "float16"
+    path = write(tmp_path, {"reduce_dtype": "int8"})
+    with pytest.raises(ConfigError, match=rf"{path}: key 'reduce_dtype': value 'int8': reduce_dtype must be None, "
+                                          "float32, float16 or bfloat16"):
         load_config(path)
 
 
