@@ -74,7 +74,9 @@ class Phases:
 def parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True, help="dp, or a zero stage 0-3; '2bfs'/'3bfs': that stage compiled in "
-                    "MindSpore's default kernel order instead of depth-first (what it did before; docs/stages.md)")
+                    "MindSpore's default kernel order instead of depth-first (what it did before; docs/stages.md); "
+                    "'3q': stage 3 with int8 weight gathers (gather_quantization='int8'), '3h': with gradients reduced "
+                    "in fp16 (reduce_dtype=float16, loss scale 1024), '3qh': both")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=10, help="steps after the first")
     add_model_args(ap)
@@ -189,9 +191,14 @@ def main():
         if a.bucket_mib:
             size = int(a.bucket_mib * 2 ** 20)
             fusion = {k: {"openstate": True, "bucket_size": size} for k in ("allreduce", "reduce_scatter", "allgather")}
+        flags = a.config[1:] if not a.config.endswith("bfs") else ""
+        half_reduce = "h" in flags and not a.fp16
         train = mindzero.prepare_train_network(net, opt, zero_stage=int(a.config[0]), comm_fusion=fusion,
                                                stage3_regather=not a.no_regather,
-                                               param_dtype="float16" if a.fp16 else None)
+                                               param_dtype="float16" if a.fp16 else None,
+                                               gather_quantization="int8" if "q" in flags else None,
+                                               reduce_dtype="float16" if half_reduce else None,
+                                               scale_sense=1024.0 if half_reduce else 1.0)
         if a.config.endswith("bfs"):
             train.exec_order = None  # MindSpore's default order (bfs), as before the depth-first compile
         if a.pretrained:

@@ -10,7 +10,9 @@ or with msrun / mpirun directly (see docs/launch.md):
 ``zero.stage`` may be a list: the stages then run one after the other in one launch, from
 the same initial weights on the same data, and rank 0 prints a table comparing them; with
 ``zero.plain_dp: true`` plain data parallel (MindSpore's ``nn.TrainOneStepCell``) runs first, and the
-table gives each stage's measured difference from it.
+table gives each stage's measured difference from it. Any other key under ``zero`` is a
+``prepare_train_network`` setting (e.g. ``gather_quantization: int8``, ``reduce_dtype: float16``,
+``scale_sense: 1024``); ``train.seed`` picks the initial weights and the data order (default 0).
 Every stage writes into ``OUT/stage_<s>/``: ``checkpoints/step_<n>`` (mindzero checkpoints,
 the newest ``train.keep_checkpoints`` kept), ``history.json`` (losses), ``loss.png``,
 ``final_model.ckpt`` (merged, loads into the plain network) and ``samples.txt``.
@@ -40,7 +42,7 @@ from gpt import GPT, CharTokenizer, LMLoss, batches, generate, init_params, make
 
 KINDS = ("parameters", "gradients", "optimizer_states")
 DEFAULTS = {"train": {"log_every": 10, "save_every": 0, "keep_checkpoints": 2, "clip_grad": True, "clip_norm": 1.0,
-                      "gradient_accumulation_steps": 1, "weight_decay": 0.0},
+                      "gradient_accumulation_steps": 1, "weight_decay": 0.0, "seed": 0},
             "generate": {"prompt": "the cat ", "tokens": 60}}
 
 
@@ -61,7 +63,7 @@ def build_network(cfg, vocab):
     """The GPT with its loss (the same initial weights on every rank and in every run) and its optimizer."""
     m, t = cfg["model"], cfg["train"]
     gpt = GPT(vocab, m["dim"], m["layers"], m["heads"], m["seq"], m["tied"])
-    init_params(gpt)
+    init_params(gpt, seed=t["seed"])
     net = LMLoss(gpt)
     params = net.trainable_params()
     decay = [p for p in params if len(p.shape) >= 2]
@@ -74,10 +76,12 @@ def build_network(cfg, vocab):
 def build(cfg, vocab, stage, verbose):
     t = cfg["train"]
     net, opt = build_network(cfg, vocab)
+    # zero: any other prepare_train_network setting (gather_quantization, reduce_dtype, scale_sense, ...)
+    options = {k: v for k, v in cfg.get("zero", {}).items() if k not in ("stage", "plain_dp")}
     train = mindzero.prepare_train_network(net, opt, zero_stage=stage, clip_grad=t["clip_grad"],
                                            clip_norm=t["clip_norm"],
                                            gradient_accumulation_steps=t["gradient_accumulation_steps"],
-                                           verbose=verbose)
+                                           verbose=verbose, config=options or None)
     return train
 
 
@@ -91,7 +95,7 @@ def run_plain_dp(cfg, ids, tok, world, log):
     net, opt = build_network(cfg, tok.vocab_size)
     train = nn.TrainOneStepCell(net, opt)
     train.set_train()
-    data = batches(ids, t["batch"], cfg["model"]["seq"], world.world_rank, world.world_size, seed=1)
+    data = batches(ids, t["batch"], cfg["model"]["seq"], world.world_rank, world.world_size, seed=1 + t["seed"])
     losses = []
     for step in range(t["steps"]):
         x, y = next(data)
@@ -145,7 +149,7 @@ def run_stage(stage, cfg, ids, tok, world, out: Path, resume: bool, stop_after: 
         raise FileExistsError(f"--out {out}: {ckpt_root} already holds checkpoints and --no-resume was given; "
                               "use a fresh --out")
     # every rank its own data: by world rank over the world size (also under hybrid sharding)
-    data = batches(ids, t["batch"], cfg["model"]["seq"], world.world_rank, world.world_size, seed=1)
+    data = batches(ids, t["batch"], cfg["model"]["seq"], world.world_rank, world.world_size, seed=1 + t["seed"])
     for _ in range(start_step * k):  # the data position of the resumed step
         next(data)
     tick, tokens, last_saved = None, 0, start_step
