@@ -51,7 +51,7 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--reuse", action="store_true", help="keep runs whose history exists")
     a = ap.parse_args(argv)
-    out = Path(a.out)
+    out = Path(a.out).resolve()
     seeds = [int(s) for s in a.seeds.split(",")]
     curves = {v: {s: run(s, v, a, out) for s in seeds} for v in VARIANTS}
     final = {v: {s: statistics.mean(c[-TAIL:]) for s, c in runs.items()} for v, runs in curves.items()}

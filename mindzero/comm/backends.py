@@ -124,7 +124,8 @@ class Emulated(Backend):
     def quantized_gather(self, numel, padding, shard_size, block, reduce_dtype=None):
         """A world all-gather of int32 words (CPU has no int8 all-gather), the op group's rows kept."""
         return QuantizedGather(self._world_gather(), False, self.world.world_size, shard_size, block,
-                               self._rows_select(), _sum_then_slice_bprop(self, numel, padding, reduce_dtype, None))
+                               self._rows_select(), _sum_then_slice_bprop(self, numel, padding, reduce_dtype, None),
+                               _gradient_attrs(self, numel, padding, reduce_dtype))
 
 
 class Collectives(Backend):
@@ -174,7 +175,8 @@ class Collectives(Backend):
                                                                               tuple(range(world.world_size)))
         return QuantizedGather(gather, True, world.op_size, shard_size, block, None,
                                _reduce_scatter_bprop(self._op("reduce_scatter"), self._dp_sum(), reduce_dtype, None,
-                                                     world.world_size))
+                                                     world.world_size),
+                               _gradient_attrs(self, numel, padding, reduce_dtype))
 
     def _shard_gather(self, numel, padding, reduce_dtype):
         group = self.world.op_group if self.world.hybrid else self.world.world_group
@@ -259,6 +261,16 @@ def _reduce_scatter_bprop(reduce_scatter, dp_sum, reduce_dtype, select, rows):
         return (_as_shard_dtype(grad, x),)
 
     return bprop
+
+
+def _gradient_attrs(backend: Backend, numel, padding, reduce_dtype) -> dict:
+    """The attributes that tell one parameter's gradient primitive from another's (MindSpore caches a
+    primitive's gradient by name and attributes; see :func:`mindzero.comm.shard_gather.make_shard_gather`)."""
+    attrs = {"mindzero_numel": int(numel), "mindzero_padding": int(padding), "mindzero_backend": backend.name,
+             "mindzero_op_ranks": str(backend.world.op_ranks)}
+    if reduce_dtype is not None:
+        attrs["mindzero_reduce_dtype"] = str(reduce_dtype)
+    return attrs
 
 
 def _as_shard_dtype(grad, shard):

@@ -12,6 +12,9 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from mindspore.ops._grad_experimental.grad_base import bprop_getters
+from mindspore.ops.operations.array_ops import Expand
+
 from ..core.quant import MIN_NORMAL, QMAX
 
 _POW2 = Tensor(np.array([2.0 ** k for k in range(-126, 128)], np.float32))  # exact: 2**k at index k + 126
@@ -80,18 +83,6 @@ def encode(x, block: int, nb: int):
     return ops.concat((q, words_to_bytes(scale_words(scale))))
 
 
-def decode(rows_bytes, block: int, nb: int, shard_size: int, dtype):
-    """``(R, nb * block + 4 * nb)`` payload bytes (int32 values) -> the ``(R * shard_size,)`` dequantized
-    shards in ``dtype``."""
-    n = rows_bytes.shape[0]
-    q = ops.cast(rows_bytes[:, :nb * block], ms.float32).reshape((n, nb, block))
-    scale = scales_of(bytes_to_words(rows_bytes[:, nb * block:]).reshape((n, nb, 1)))
-    values = (q * scale).reshape((n, nb * block))
-    if nb * block != shard_size:
-        values = values[:, :shard_size]
-    return ops.cast(values.reshape((-1,)), dtype)
-
-
 def send(payload, int8_wire: bool):
     """A payload as it crosses the collective: int8 (GPU/Ascend) or int32 words (CPU: MindSpore 2.10 has no int8
     all-gather there; the same bytes)."""
@@ -100,43 +91,120 @@ def send(payload, int8_wire: bool):
     return bytes_to_words(payload)
 
 
-def receive(gathered, rows: int, int8_wire: bool):
-    """The gathered tensor of :func:`send`'s payloads as ``(rows, L)`` bytes (int32 values)."""
-    if int8_wire:
-        return ops.cast(gathered, ms.int32).reshape((rows, -1))
-    return words_to_bytes(gathered).reshape((rows, -1))
+class Decoder(nn.Cell):
+    """The receiving side: gathered payloads -> the dequantized rows, with primitive instances of its own, so
+    that ``recompute()`` re-runs exactly these in backward (stage 3's re-gather) and nothing else; the payload
+    sent (quantized once in forward) is kept. Its methods are inlined where they are called."""
+
+    def __init__(self, block: int, nb: int, shard_size: int, int8_wire: bool):
+        super().__init__(auto_prefix=False)
+        self.block, self.nb, self.shard_size, self.int8_wire = block, nb, shard_size, int8_wire
+        self.cast, self.reshape, self.mul, self.sub = ops.Cast(), ops.Reshape(), ops.Mul(), ops.Sub()
+        self.floordiv, self.floormod, self.ge = ops.FloorDiv(), ops.FloorMod(), ops.GreaterEqual()
+        self.stack, self.concat, self.slice = ops.Stack(1), ops.Concat(1), ops.StridedSlice()
+
+    def prims(self):
+        return [self.cast, self.reshape, self.mul, self.sub, self.floordiv, self.floormod, self.ge, self.stack,
+                self.concat, self.slice]
+
+    def words_to_bytes(self, w):
+        """:func:`words_to_bytes` with this decoder's primitives."""
+        top = self.floordiv(w, _TWO24)
+        rest = self.sub(w, self.mul(top, _TWO24))
+        low = self.stack((self.floormod(rest, 256), self.floormod(self.floordiv(rest, 256), 256),
+                          self.floordiv(rest, 1 << 16)))
+        low = self.sub(low, self.mul(self.cast(self.ge(low, 128), ms.int32), 256))
+        return self.reshape(self.concat((low, self.reshape(top, (-1, 1)))), (-1,))
+
+    def receive(self, gathered, rows: int):
+        """The gathered tensor of :func:`send`'s payloads as ``(rows, L)`` bytes (int32 values)."""
+        if self.int8_wire:
+            return self.reshape(self.cast(gathered, ms.int32), (rows, -1))
+        return self.reshape(self.words_to_bytes(gathered), (rows, -1))
+
+    def decode(self, rows_bytes, dtype):
+        """``(R, nb * block + 4 * nb)`` payload bytes (int32 values) -> the ``(R, shard_size)`` dequantized shards
+        in ``dtype`` (the scales, ``R * nb`` values, are computed with the shared kernels: small)."""
+        n, nb, block = rows_bytes.shape[0], self.nb, self.block
+        q = self.slice(rows_bytes, (0, 0), (n, nb * block), (1, 1))
+        q = self.reshape(self.cast(q, ms.float32), (n, nb, block))
+        scale = scales_of(bytes_to_words(rows_bytes[:, nb * block:]).reshape((n, nb, 1)))
+        values = self.reshape(self.mul(q, scale), (n, nb * block))
+        if nb * block != self.shard_size:
+            values = self.slice(values, (0, 0), (n, self.shard_size), (1, 1))
+        return self.cast(values, dtype)
+
+
+class GradientPort(Expand):
+    """``port(shard (1, S), shape (R, S))``: the shard broadcast to ``R`` rows (``Expand``), whose gradient is the
+    backend's exact reduction of the incoming ``(R, S)`` gradient into this rank's shard. The quantized gather
+    returns ``rows + (port + stop_gradient(-port))``: the second term is exactly zero (``x + (-x) = 0``), its
+    gradient reaches the shard through the port alone. MindSpore has no primitive that returns one input and
+    takes another's gradient; a ``Depend`` or ``MulNoNan`` subclass with a registered gradient loses it (their
+    gradients are built in C++, not looked up by class: measured), an ``EmbeddingLookup`` one turns the
+    gradient sparse; ``Expand``'s is Python's, looked up by class as ``ShardGather``'s."""
+
+    substitute_name = "Expand"
+
+
+_PORT_BPROPS = []  # a port's gradient, by its "mindzero_port" attribute (MindSpore hands the gradient getter a
+# copy of the primitive with its attributes, not the Python object: measured, its Python fields are gone)
+
+
+@bprop_getters.register(GradientPort)
+def _gradient_port_bprop(self):
+    reduce_into_shard = _PORT_BPROPS[int(self.attrs["mindzero_port"])]
+
+    def bprop(shard_row, shape, out, dout):
+        grad = reduce_into_shard(shard_row.reshape((-1,)), out, dout.reshape((-1,)))[0]
+        return grad.reshape(shard_row.shape), ops.zeros_like(shape)
+
+    return bprop
 
 
 class QuantizedGather(nn.Cell):
-    """Stage 3's quantized gather of one parameter: ``(sent, shard) -> (rows * S,)`` in the shard's dtype, where
-    ``sent`` is this rank's payload (:func:`encode` then :func:`send`, made by the caller once per step) and the
-    result every kept rank's ``dequant(quant(shard))``, padded; the gradient w.r.t. ``shard`` is ``bprop``, the
-    backend's exact reduction of the incoming gradient into this rank's shard (the exact gather's own), and
-    ``sent`` has none.
+    """Stage 3's quantized gather of one parameter: :meth:`payload` (this rank's shard quantized and packed, once
+    per step in forward), then :meth:`rows` ``(sent, shard) -> (R, S)``: every kept rank's
+    ``dequant(quant(shard))`` in the shard's dtype, whose gradient w.r.t. ``shard`` is the backend's exact
+    reduction (``bprop``, the exact gather's own) through a :class:`GradientPort`. No Cell is called (a Cell call
+    per read site costs graph-mode compile time and memory: a 105M GPT at 4 ranks ran out of 24 GiB compiling
+    with one): the methods are inlined. :meth:`regather` marks the collective and the :class:`Decoder` for
+    recompute; the payload is kept from forward, so the shard is quantized once a step."""
 
-    A Cell with ``bprop``: MindSpore has no primitive that returns one input and takes another's gradient (a
-    ``Depend`` subclass with a registered gradient loses it: measured). ``recompute()`` on it re-runs the
-    collective and the decode in backward from the payload kept since forward: the shard is quantized once.
-    """
-
-    def __init__(self, gather, int8_wire: bool, rows: int, shard_size: int, block: int, select, bprop):
+    def __init__(self, gather, int8_wire: bool, rows: int, shard_size: int, block: int, select, bprop, attrs):
         super().__init__(auto_prefix=False)
         self.gather, self.int8_wire, self.rows, self.shard_size, self.block = gather, int8_wire, rows, shard_size, block
         self.nb = -(-shard_size // block)
+        self.decoder = Decoder(block, self.nb, shard_size, int8_wire)
         self.has_select = select is not None
+        kept = rows
         if self.has_select:
-            self.select, self.kept = select, int(select.shape[0])
-        self.zero_bprop = bprop
+            self.select, kept = select, int(select.shape[0])
+            self.take = ops.Gather()
+        self.port = GradientPort()
+        for key, value in attrs.items():  # MindSpore caches a primitive's gradient by name and attributes
+            self.port.add_prim_attr(key, value)
+        self.port.add_prim_attr("mindzero_quant_block", int(block))
+        self.port.add_prim_attr("mindzero_port", len(_PORT_BPROPS))
+        _PORT_BPROPS.append(bprop)
+        self.port_shape = Tensor(np.array([kept, shard_size], np.int64))
+        self.add, self.neg = ops.Add(), ops.Neg()
+
+    def regather(self):
+        prims = [self.gather, self.add, self.neg, self.port, *self.decoder.prims()] + ([self.take] if self.has_select else [])
+        for prim in prims:
+            if hasattr(prim, "recompute"):  # (the test-only substitute's all-gather is a function)
+                prim.recompute()
 
     def payload(self, shard):
-        """This rank's payload of ``shard``, as it crosses the collective."""
-        return send(encode(shard, self.block, self.nb), self.int8_wire)
+        """This rank's payload of ``shard``, as it crosses the collective (no gradient: :meth:`rows_of` gives the
+        shard its gradient through the port)."""
+        return ops.stop_gradient(send(encode(shard, self.block, self.nb), self.int8_wire))
 
-    def construct(self, sent, shard):
-        got = receive(self.gather(sent), self.rows, self.int8_wire)
+    def rows_of(self, sent, shard):
+        got = self.decoder.receive(self.gather(sent), self.rows)
         if self.has_select:
-            got = ops.gather(got, self.select, 0)
-        return decode(got, self.block, self.nb, self.shard_size, shard.dtype)
-
-    def bprop(self, sent, shard, out, dout):
-        return ops.zeros_like(sent), self.zero_bprop(shard, out, dout)[0]
+            got = self.take(got, self.select, 0)
+        values = self.decoder.decode(got, shard.dtype)
+        port = self.port(shard.reshape((1, -1)), self.port_shape)
+        return self.add(values, self.add(port, ops.stop_gradient(self.neg(port))))

@@ -79,7 +79,7 @@ class GatherFull(nn.Cell):
         the collective and the decode; the payload is kept from forward, so each shard is quantized once)."""
         prims = [self.slice, self.reshape, self.cast]
         if self.quantized:
-            self.qgather.recompute()
+            self.qgather.regather()
         if not self.identity:
             prims.append(self.gather)
         if self.has_select:
@@ -90,7 +90,7 @@ class GatherFull(nn.Cell):
     def rebuild(self, shard):
         full = shard
         if self.quantized:
-            full = self.qgather(self.qgather.payload(shard), shard)
+            full = self.reshape(self.qgather.rows_of(self.qgather.payload(shard), shard), (-1,))
         elif not self.identity:
             full = self.gather(shard)
             if self.has_select:
