@@ -12,8 +12,6 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from mindspore.ops._grad_experimental.grad_base import bprop_getters
-from mindspore.ops.operations.array_ops import Expand
 
 from ..core.quant import MIN_NORMAL, QMAX
 
@@ -135,40 +133,34 @@ class Decoder(nn.Cell):
         return self.cast(values, dtype)
 
 
-class GradientPort(Expand):
-    """``port(shard (1, S), shape (R, S))``: the shard broadcast to ``R`` rows (``Expand``), whose gradient is the
-    backend's exact reduction of the incoming ``(R, S)`` gradient into this rank's shard. The quantized gather
-    returns ``rows + (port + stop_gradient(-port))``: the second term is exactly zero (``x + (-x) = 0``), its
-    gradient reaches the shard through the port alone. MindSpore has no primitive that returns one input and
-    takes another's gradient; a ``Depend`` or ``MulNoNan`` subclass with a registered gradient loses it (their
-    gradients are built in C++, not looked up by class: measured), an ``EmbeddingLookup`` one turns the
-    gradient sparse; ``Expand``'s is Python's, looked up by class as ``ShardGather``'s."""
+def _into_first_row(reduce_into_shard, rows: int):
+    """The gradient transform of a quantized gather's port: the incoming ``(R, S)`` gradient reduced into this
+    rank's shard (``reduce_into_shard``, the exact gather's backward), placed in row 0 of zeros, so that the sum
+    over rows ``Tile``'s own gradient takes is exactly that reduction (``x + 0 = x``)."""
 
-    substitute_name = "Expand"
+    def transform(dout):
+        grad = reduce_into_shard(dout[0], None, dout.reshape((-1,)))[0]
+        grad = ops.cast(grad, dout.dtype).reshape((1, -1))
+        if rows == 1:
+            return grad
+        return ops.concat((grad, ops.zeros((rows - 1, grad.shape[1]), grad.dtype)))
 
-
-_PORT_BPROPS = []  # a port's gradient, by its "mindzero_port" attribute (MindSpore hands the gradient getter a
-# copy of the primitive with its attributes, not the Python object: measured, its Python fields are gone)
-
-
-@bprop_getters.register(GradientPort)
-def _gradient_port_bprop(self):
-    reduce_into_shard = _PORT_BPROPS[int(self.attrs["mindzero_port"])]
-
-    def bprop(shard_row, shape, out, dout):
-        grad = reduce_into_shard(shard_row.reshape((-1,)), out, dout.reshape((-1,)))[0]
-        return grad.reshape(shard_row.shape), ops.zeros_like(shape)
-
-    return bprop
+    return transform
 
 
 class QuantizedGather(nn.Cell):
     """Stage 3's quantized gather of one parameter: :meth:`payload` (this rank's shard quantized and packed, once
-    per step in forward), then :meth:`rows` ``(sent, shard) -> (R, S)``: every kept rank's
+    per step in forward), then :meth:`rows_of` ``(sent, shard) -> (R, S)``: every kept rank's
     ``dequant(quant(shard))`` in the shard's dtype, whose gradient w.r.t. ``shard`` is the backend's exact
-    reduction (``bprop``, the exact gather's own) through a :class:`GradientPort`. No Cell is called (a Cell call
-    per read site costs graph-mode compile time and memory: a 105M GPT at 4 ranks ran out of 24 GiB compiling
-    with one): the methods are inlined. :meth:`regather` marks the collective and the :class:`Decoder` for
+    reduction (``bprop``, the exact gather's own).
+
+    The gradient enters through a port: the shard tiled to ``(R, S)`` under ``InsertGradientOf`` (which hands
+    ``Tile``'s gradient the exact reduction in row 0), added as ``rows + (port + stop_gradient(-port))``: exactly
+    ``rows`` (``x + (-x) = 0``). MindSpore has no primitive that returns one input and takes another's gradient;
+    measured dead ends: ``Depend``/``MulNoNan`` subclasses with a registered gradient (built in C++, not looked
+    up by class: lost), ``EmbeddingLookup`` (the gradient turns sparse), ``Expand`` (refuses outputs above 10**6
+    elements), a Cell with ``bprop`` per read site (a 105M GPT at 4 ranks ran out of 24 GiB compiling). No Cell
+    is called here: the methods are inlined. :meth:`regather` marks the collective and the :class:`Decoder` for
     recompute; the payload is kept from forward, so the shard is quantized once a step."""
 
     def __init__(self, gather, int8_wire: bool, rows: int, shard_size: int, block: int, select, bprop, attrs):
@@ -181,17 +173,16 @@ class QuantizedGather(nn.Cell):
         if self.has_select:
             self.select, kept = select, int(select.shape[0])
             self.take = ops.Gather()
-        self.port = GradientPort()
+        self.tile, self.kept = ops.Tile(), kept
+        self.port = ops.InsertGradientOf(_into_first_row(bprop, kept))
         for key, value in attrs.items():  # MindSpore caches a primitive's gradient by name and attributes
             self.port.add_prim_attr(key, value)
         self.port.add_prim_attr("mindzero_quant_block", int(block))
-        self.port.add_prim_attr("mindzero_port", len(_PORT_BPROPS))
-        _PORT_BPROPS.append(bprop)
-        self.port_shape = Tensor(np.array([kept, shard_size], np.int64))
         self.add, self.neg = ops.Add(), ops.Neg()
 
     def regather(self):
-        prims = [self.gather, self.add, self.neg, self.port, *self.decoder.prims()] + ([self.take] if self.has_select else [])
+        prims = [self.gather, self.add, self.neg, self.tile, *self.decoder.prims()]
+        prims += [self.take] if self.has_select else []
         for prim in prims:
             if hasattr(prim, "recompute"):  # (the test-only substitute's all-gather is a function)
                 prim.recompute()
@@ -206,5 +197,5 @@ class QuantizedGather(nn.Cell):
         if self.has_select:
             got = self.take(got, self.select, 0)
         values = self.decoder.decode(got, shard.dtype)
-        port = self.port(shard.reshape((1, -1)), self.port_shape)
+        port = self.port(self.tile(shard.reshape((1, -1)), (self.kept, 1)))
         return self.add(values, self.add(port, ops.stop_gradient(self.neg(port))))

@@ -135,3 +135,20 @@ def test_the_plan_counts_quantized_gather_bytes():
         w.shard_size, 256)})
     saved = summarize(exact)["all_gather"]["bytes"] - summarize(quant)["all_gather"]["bytes"]
     assert saved == 2 * 4 * (w.shard_size * 4 - Q.payload_bytes(w.shard_size, 256))  # forward and backward
+
+
+def test_settings_file_takes_gather_quantization(tmp_path):
+    from mindzero.core.settings import ConfigError, load_config
+
+    good = tmp_path / "good.yaml"
+    good.write_text("zero_stage: 3\ngather_quantization: {kind: int8, block_size: 128}\nreduce_dtype: float16\n"
+                    "scale_sense: 1024\n")
+    settings = load_config(good)
+    assert settings["gather_quantization"] == {"kind": "int8", "block_size": 128}
+    config = ZeroConfig.from_arguments({k: v for k, v in settings.items() if k != "checkpoint"})
+    assert config.gather_quantization.block_size == 128 and config.precision.reduce_dtype == "float16"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gather_quantization: {kind: int8, block_size: 7}\n")
+    with pytest.raises(ConfigError, match=rf"{bad}: key 'gather_quantization': .*block_size'\] must be an int "
+                                          r"multiple of 4 in \[16, 1048576\].*got 7"):
+        load_config(bad)
