@@ -20,29 +20,18 @@ from tests.support.data import batch
 from tests.support.models import build, make_optimizer
 from tests.support.scenarios import parity_scenarios
 from tests.support.tier import add_worker_flag
-from tests.support.worker import run, start
+from tests.support.worker import counting_collectives, run, start, tally
 
 def count_collectives(world, out_dir):
     """PyNative: count the collectives one optimizer step really calls (K=2 micro-steps) and the bytes they
     move, per stage, with and without comm_fusion, and with param_dtype=float16; store them next to the
     plan's ``step_calls``."""
     import mindspore as ms
-    from mindspore import ops
 
     from mindzero.core.comm_plan import all_gather_calls, reduce_scatter_calls, summarize
 
-    counted = []
-    originals = {}
-    for cls, op in ((ops.AllReduce, "all_reduce"), (ops.AllGather, "all_gather"), (ops.ReduceScatter, "reduce_scatter")):
-        def counting(self, *args, _orig=cls.__call__, _op=op):
-            out = _orig(self, *args)
-            counted.append((_op, int((out if _op == "all_gather" else args[0]).nbytes)))
-            return out
-        originals[cls] = cls.__call__
-        cls.__call__ = counting
-    ms.set_context(mode=ms.PYNATIVE_MODE)
     results = {}
-    try:
+    with counting_collectives() as counted:
         half = [(s, False, "float16") for s in (0, 1, 2, 3)] if world.world_size == 2 else []
         for stage, fused, param_dtype in [(s, f, None) for s in (0, 1, 2, 3) for f in (False, True)] + half:
             net = build("awkward")
@@ -56,10 +45,7 @@ def count_collectives(world, out_dir):
             counted.clear()
             for m in range(2):
                 train(*batch(type(net), 0, world.world_rank, m, n=2))
-            got = {op: {"calls": 0, "bytes": 0} for op in ("all_reduce", "all_gather", "reduce_scatter")}
-            for op, nbytes in counted:
-                got[op]["calls"] += 1
-                got[op]["bytes"] += nbytes
+            got = tally(counted)
             plan = summarize(train.zero_info.calls)
             # the plan counts one read per parameter; AwkwardNet reads w2 twice, so stage 3 gathers it
             # (and reduce-scatters its gradient) once more per micro-step
@@ -70,10 +56,6 @@ def count_collectives(world, out_dir):
             extra = summarize(extra)
             results[f"{stage}-{'fused' if fused else 'plain'}{'-fp16' if param_dtype else ''}"] = dict(
                 counted=got, plan={op: {k: plan[op][k] + extra[op][k] for k in ("calls", "bytes")} for op in got})
-    finally:
-        for cls, call in originals.items():
-            cls.__call__ = call
-        ms.set_context(mode=ms.GRAPH_MODE)
     (out_dir / "collective_counts.json").write_text(json.dumps(results, indent=1))
 
 

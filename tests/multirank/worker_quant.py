@@ -21,7 +21,7 @@ from mindzero.engine.stage3 import GATHER_PREFIX, SHARD_SUFFIX
 from tests.support.data import batch
 from tests.support.models import build, make_optimizer
 from tests.support.scenarios import Scenario
-from tests.support.worker import run, start
+from tests.support.worker import counting_collectives, run, start, tally
 
 STEPS = 20
 #: quantize every 2-D parameter of the small test models (their matrices are far below the default min_numel)
@@ -93,33 +93,17 @@ def count_collectives(world, out_dir):
     counted at MindSpore's collective primitives, next to the plan's ``step_calls``."""
     from mindzero.core.comm_plan import summarize
 
-    counted, originals = [], {}
-    for cls, op in ((ops.AllReduce, "all_reduce"), (ops.AllGather, "all_gather")):
-        def counting(self, *args, _orig=cls.__call__, _op=op):
-            out = _orig(self, *args)
-            counted.append((_op, int((out if _op == "all_gather" else args[0]).nbytes)))
-            return out
-        originals[cls] = cls.__call__
-        cls.__call__ = counting
-    ms.set_context(mode=ms.PYNATIVE_MODE)
     results = {}
-    try:
+    with counting_collectives() as counted:
         for name, quant in (("exact", None), ("int8", QUANT)):
             net = build("mlp")
             train = mindzero.prepare_train_network(net, make_optimizer("adam", net), zero_stage=3,
                                                    gather_quantization=quant)
             counted.clear()
             train(*batch(type(net), 0, world.world_rank))
-            got = {op: {"calls": 0, "bytes": 0} for op in ("all_reduce", "all_gather")}
-            for op, nbytes in counted:
-                got[op]["calls"] += 1
-                got[op]["bytes"] += nbytes
+            got = tally(counted)
             plan = summarize(train.zero_info.calls)
             results[name] = dict(counted=got, plan={op: {k: plan[op][k] for k in ("calls", "bytes")} for op in got})
-    finally:
-        for cls, call in originals.items():
-            cls.__call__ = call
-        ms.set_context(mode=ms.GRAPH_MODE)
     (out_dir / "collective_counts.json").write_text(json.dumps(results, indent=1))
 
 

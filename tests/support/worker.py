@@ -88,3 +88,37 @@ def run(scn, world) -> Run:
                   data=np.array(seen, np.int64), **path,
                   **{"param/" + n: v for n, v in params.items()})
     return Run(arrays, memory, train)
+
+
+@contextlib.contextmanager
+def counting_collectives():
+    """PyNative: every call of MindSpore's ``AllReduce``, ``AllGather`` and ``ReduceScatter`` primitives while the
+    block runs, as ``(op, bytes)`` in the yielded list (an all-gather's output, the others' input), and
+    ``{op: {"calls", "bytes"}}`` from :func:`tally`. Restores the primitives and graph mode after."""
+    import mindspore as ms
+    from mindspore import ops
+
+    counted, originals = [], {}
+    for cls, op in ((ops.AllReduce, "all_reduce"), (ops.AllGather, "all_gather"), (ops.ReduceScatter, "reduce_scatter")):
+        def counting(self, *args, _orig=cls.__call__, _op=op):
+            out = _orig(self, *args)
+            counted.append((_op, int((out if _op == "all_gather" else args[0]).nbytes)))
+            return out
+        originals[cls] = cls.__call__
+        cls.__call__ = counting
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        yield counted
+    finally:
+        for cls, call in originals.items():
+            cls.__call__ = call
+        ms.set_context(mode=ms.GRAPH_MODE)
+
+
+def tally(counted) -> dict:
+    """``{op: {"calls", "bytes"}}`` of :func:`counting_collectives`' list."""
+    got = {op: {"calls": 0, "bytes": 0} for op in ("all_reduce", "all_gather", "reduce_scatter")}
+    for op, nbytes in counted:
+        got[op]["calls"] += 1
+        got[op]["bytes"] += nbytes
+    return got
