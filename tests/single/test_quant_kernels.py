@@ -58,3 +58,22 @@ def test_graph_kernels_equal_the_numpy_twin(name):
     expected = Q.decode(ref, x.size, block, x.dtype)
     assert from_words.dtype == x.dtype
     assert np.array_equal(from_words, expected) and np.array_equal(from_int8, expected)
+
+
+class Words(nn.Cell):
+    def construct(self, w, b):
+        return K.words_to_bytes(w), K.bytes_to_words(b)
+
+
+def test_bytes_and_words_in_float_arithmetic_are_numpys_view():
+    """The float-arithmetic byte kernels on every kind of int32 word: extremes, every sign pattern of the bytes,
+    words whose fp32 value rounds by the most (|w| near 2**31)."""
+    rng = np.random.default_rng(5)
+    special = [-2 ** 31, 2 ** 31 - 1, -1, 0, 1, 65535, 65536, -65536, -65537, 2 ** 30 + 63, 2 ** 30 + 64,
+               2 ** 31 - 64, -2 ** 31 + 64, 0x7FFF8000, 0x00FF00FF, -0x00FF0100]
+    words = np.concatenate([np.array(special, np.int64),
+                            rng.integers(-2 ** 31, 2 ** 31, 4096)]).astype(np.int32)
+    raw = words.view(np.int8)
+    as_bytes, as_words = (t.asnumpy() for t in Words()(Tensor(words), Tensor(raw.astype(np.float32))))
+    assert as_bytes.dtype == np.float32 and np.array_equal(as_bytes, raw.astype(np.float32))
+    assert as_words.dtype == np.int32 and np.array_equal(as_words, words)
