@@ -5,13 +5,14 @@ MindSpore has no bit-cast operator, so the IEEE bytes of each fp32 scale are com
 scaling) and the int8 bytes are packed into int32 words arithmetically: the same bytes, bit for bit, as the
 numpy twin's ``view``.
 
-Everything the size of a weight is computed in float32 (bytes are float32 values in [-128, 127], exact), never
-with integer arithmetic, slicing by index or broadcasting against a column: MindSpore's CPU kernels for those
-keep index tables several times the size of their output for the life of the compiled graph (measured on 16M
-elements, output 64 MiB: int32 ``Sub`` of equal shapes +450 MiB, ``FloorMod`` by a scalar +450 MiB, a
-broadcast ``Mul`` +390 MiB, float32 ``Div`` (Python's ``/``) +320 MiB; float32 ``RealDiv``, ``Mul``, ``Floor``, ``Round``, ``Cast``, ``Tile``, ``Stack``: their output
-only). The int32 version of these kernels held 6.9 GiB a rank on a 35M-parameter GPT at 2 ranks. Only the
-scales (one per block) use integer kernels.
+Everything the size of a weight is computed in float32 kernels (bytes are float32 values in [-128, 127],
+exact), never with integer arithmetic, ``Div`` or broadcasting against a column: MindSpore's CPU kernels for
+those keep index tables several times the size of their output for the life of the compiled graph (measured
+on 16M elements, output 64 MiB: int32 ``Sub`` of equal shapes +450 MiB, ``FloorMod`` by a scalar +450 MiB, a
+broadcast ``Mul`` +390 MiB, float32 ``Div`` (Python's ``/``) +320 MiB; float32 ``RealDiv``, ``Mul``,
+``Floor``, ``Round``, ``Cast``, ``Tile``, ``Stack``: their output only; a 2-D ``StridedSlice`` about one
+output more: ``benchmarks/cpu_kernel_memory.py``). The int32 version of these kernels held 6.9 GiB a rank on
+a 35M-parameter GPT at 2 ranks. Only the scales (one per block) use integer kernels.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class ByteKernels:
     words are little-endian int32."""
 
     def __init__(self):
-        self.cast, self.reshape, self.add, self.sub, self.mul = ops.Cast(), ops.Reshape(), ops.Add(), ops.Sub(), ops.Mul()
+        self.cast, self.reshape, self.add = ops.Cast(), ops.Reshape(), ops.Add()
+        self.sub, self.mul = ops.Sub(), ops.Mul()
         self.floor, self.round, self.stack, self.split = ops.Floor(), ops.Round(), ops.Stack(1), ops.Split(1, 4)
 
     def prims(self):
