@@ -61,24 +61,18 @@ class Net(nn.Cell):
         self.ins2.add_prim_attr("proto_tag", "second")
     def fused(self):
         return self.gf(ops.concat((self.s1, self.s2))).reshape((n, 2, h))
-    def port(self, s):
-        return self.ins(ops.tile(s.reshape((1, -1)), (n, 1)))
-    def port2(self, s):
-        return self.ins2(ops.tile(s.reshape((1, -1)), (n, 1)))
-    def read1(self):
-        if variant == "port":
-            return (ops.stop_gradient(self.fused()[:, 0]) + (self.port(self.s1) - ops.stop_gradient(self.port(self.s1)))).reshape((D, D))
+    def read(self, k, shard, gather, ins):
+        """Weight k (0 or 1) as the variant reads it; ``gather``/``ins``: its own gather and port."""
         if variant == "separate":
-            return self.g1(self.s1).reshape((D, D))
-        return self.fused()[:, 0].reshape((D, D))
-    def read2(self):
+            return gather(shard).reshape((D, D))
+        part = self.fused()[:, k]
         if variant == "port":
-            return (ops.stop_gradient(self.fused()[:, 1]) + (self.port2(self.s2) - ops.stop_gradient(self.port2(self.s2)))).reshape((D, D))
-        if variant == "separate":
-            return self.g2(self.s2).reshape((D, D))
-        return self.fused()[:, 1].reshape((D, D))
+            port = ins(ops.tile(shard.reshape((1, -1)), (n, 1)))
+            part = ops.stop_gradient(part) + (port - ops.stop_gradient(port))
+        return part.reshape((D, D))
     def construct(self, x):
-        y = ops.matmul(ops.tanh(ops.matmul(x, self.read1())), self.read2())
+        w1, w2 = self.read(0, self.s1, self.g1, self.ins), self.read(1, self.s2, self.g2, self.ins2)
+        y = ops.matmul(ops.tanh(ops.matmul(x, w1)), w2)
         return (y * y).mean()
 net = Net()
 grad = ms.value_and_grad(net, None, net.trainable_params())
