@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 from mindspore import Tensor
 
+from ..comm.backends import backend_of
 from ..comm.cells import AllReduceSum, shared_cell
 from ..core.plan import shard_array
-from ..engine.stage3 import GatherFull
 from .format import (COMPLETE, SplitInfo, entry_at)
 from .tensor_io import MS_TO_NAME
 
@@ -263,14 +263,11 @@ def iter_full_tensors(train_net, names=None, ema: bool = False, masters: bool = 
             return policy.shard_optimizer_states
         return policy.shard_parameters
 
-    gathers = {}  # GatherFull.key -> GatherFull: one compile per distinct shape
+    gather = backend_of(info.world).host_gather()  # eager: no graph compiled per shape
     for name in names if names is not None else [s.name for s in info.plan]:
         p = values[name]
         if is_shard(name):
             spec = info.plan[name]
-            key = GatherFull.key(spec)
-            if key not in gathers:
-                gathers[key] = GatherFull(spec, info.world)
-            yield name, gathers[key](p).asnumpy()
+            yield name, gather(p.value())[:spec.numel].reshape(spec.shape)
         else:
             yield name, p.asnumpy().copy()

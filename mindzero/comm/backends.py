@@ -52,13 +52,20 @@ class Backend:
       rows it keeps (see :mod:`mindzero.comm.shard_gather`);
     * ``quantized_gather(numel, padding, shard_size, block, reduce_dtype)``: the same gather sending int8 values
       with fp32 block scales (:class:`mindzero.comm.quantize.QuantizedGather`: the op group's rows only, the
-      same exact backward), or ``None`` where nothing is gathered.
+      same exact backward), or ``None`` where nothing is gathered;
+    * ``host_gather()``: ``(s,) tensor -> (op_size * s,) numpy array``, the op group's tensors concatenated in
+      group order, called eagerly (host-side tools such as ``gather_full_state_dict``: no graph to compile per
+      shape; measured on the test GPT at 2 ranks: 2.3 s of graph compiles -> milliseconds).
     """
 
     name = None
 
     def __init__(self, world: World):
         self.world = world
+
+    def host_gather(self):
+        op = self.gather("op")
+        return lambda x: op(x).asnumpy()
 
     def _world_gather(self):
         return ops.AllGather(self.world.world_group)
@@ -94,6 +101,9 @@ class SingleRank(Backend):
     def quantized_gather(self, numel, padding, shard_size, block, reduce_dtype=None):
         return None
 
+    def host_gather(self):
+        return lambda x: x.asnumpy()
+
 
 class Emulated(Backend):
     """CPU: world collectives only. A reduce-scatter is an all-reduce of exactly the tensor plain data
@@ -120,6 +130,17 @@ class Emulated(Backend):
 
     def shard_gather(self, numel, padding, reduce_dtype=None):
         return _sum_then_slice_gather(self, numel, padding, reduce_dtype)
+
+    def host_gather(self):
+        """A world all-gather, the op group's rows kept (in numpy)."""
+        gather, world = self._world_gather(), self.world
+        rows = list(world.op_ranks)
+
+        def run(x):
+            got = gather(x).asnumpy()
+            return got.reshape((world.world_size, -1))[rows].reshape((-1,)) if world.hybrid else got
+
+        return run
 
     def quantized_gather(self, numel, padding, shard_size, block, reduce_dtype=None):
         """A world all-gather of int32 words (CPU has no int8 all-gather), the op group's rows kept."""
