@@ -63,14 +63,17 @@ class ByteKernels:
         b0, b2 = self.sub(lo, self.mul(b1, 256.0)), self.sub(hi, self.mul(b3, 256.0))
         return self.reshape(self.stack((self.signed(b0), self.signed(b1), self.signed(b2), b3)), (-1,))
 
-    def bytes_to_words(self, b):
-        """Signed bytes (any real dtype, length a multiple of 4) -> little-endian int32 words: two exact 16-bit
-        halves in fp32, joined in fp64."""
+    def word_values(self, b):
+        """Signed bytes (any real dtype, length a multiple of 4) -> the values of their little-endian int32 words,
+        as fp64 (exact): two exact 16-bit halves in fp32, joined in fp64."""
         b0, b1, b2, b3 = self.split(self.reshape(self.cast(b, ms.float32), (-1, 4)))
         lo = self.add(self.unsigned(b0), self.mul(self.unsigned(b1), 256.0))
         hi = self.add(self.unsigned(b2), self.mul(b3, 256.0))  # the top byte keeps its sign
-        word = self.add(self.mul(self.cast(hi, ms.float64), 65536.0), self.cast(lo, ms.float64))
-        return self.reshape(self.cast(word, ms.int32), (-1,))
+        return self.reshape(self.add(self.mul(self.cast(hi, ms.float64), 65536.0), self.cast(lo, ms.float64)), (-1,))
+
+    def bytes_to_words(self, b):
+        """Signed bytes (any real dtype, length a multiple of 4) -> little-endian int32 words."""
+        return self.cast(self.word_values(b), ms.int32)
 
 
 _SHARED = ByteKernels()
@@ -125,18 +128,17 @@ def scales_of(words):
     return ops.select(words == 0, ops.zeros_like(value), value)
 
 
-def encode(x, block: int, nb: int):
-    """One rank's payload as signed bytes (float32 values): the int8 values, then the scales' IEEE bytes."""
+def encode(x, block: int, nb: int, int8_wire: bool):
+    """One rank's payload of the 1-D shard ``x`` as it crosses the collective: the int8 values, then the scales'
+    IEEE bytes; as int8 (GPU/Ascend) or as the same bytes in little-endian int32 words (CPU: MindSpore 2.10 has no
+    int8 all-gather there). The words are built directly, the scales' bits being whole words already (the
+    values' byte count, ``nb * block``, is a multiple of 4); joined in fp64 and cast once (an integer ``Concat``
+    of weight size is avoided: see the module note)."""
     q, scale = quantize(x, block, nb)
-    return ops.concat((q, words_to_bytes(scale_words(scale))))
-
-
-def send(payload, int8_wire: bool):
-    """A payload as it crosses the collective: int8 (GPU/Ascend) or int32 words (CPU: MindSpore 2.10 has no int8
-    all-gather there; the same bytes)."""
+    words = scale_words(scale)
     if int8_wire:
-        return ops.cast(payload, ms.int8)
-    return bytes_to_words(payload)
+        return ops.cast(ops.concat((q, words_to_bytes(words))), ms.int8)
+    return ops.cast(ops.concat((_SHARED.word_values(q), ops.cast(words, ms.float64))), ms.int32)
 
 
 class Decoder(nn.Cell):
@@ -155,17 +157,23 @@ class Decoder(nn.Cell):
         return [self.cast, self.reshape, self.mul, self.slice, self.tile, *self.bytes.prims()]
 
     def receive(self, gathered, rows: int):
-        """The gathered tensor of :func:`send`'s payloads as ``(rows, L)`` bytes (float32 values)."""
+        """The gathered tensor of :func:`encode`'s payloads as ``(bytes (rows, L) float32 values, the scales' IEEE
+        bits (rows, nb) int32)``. On the int32 wire the scales' bits are the last ``nb`` words of each row, taken
+        as they are (a small slice); on the int8 wire they are joined from their bytes."""
+        n, nb, block = rows, self.nb, self.block
         if self.int8_wire:
-            return self.reshape(self.cast(gathered, ms.float32), (rows, -1))
-        return self.reshape(self.bytes.words_to_bytes(gathered), (rows, -1))
+            got = self.reshape(self.cast(gathered, ms.float32), (n, -1))
+            return got, self.reshape(self.bytes.bytes_to_words(got[:, nb * block:]), (n, nb))
+        words = self.reshape(gathered, (n, -1))
+        return self.reshape(self.bytes.words_to_bytes(words), (n, -1)), words[:, nb * block // 4:]
 
-    def decode(self, rows_bytes, dtype):
-        """``(R, nb * block + 4 * nb)`` payload bytes (float32 values) -> the ``(R, shard_size)`` dequantized shards
-        in ``dtype`` (the scales, ``R * nb`` values, are computed with the shared kernels: small)."""
+    def decode(self, rows_bytes, scale_bits, dtype):
+        """``(R, nb * block + 4 * nb)`` payload bytes (float32 values) and the ``(R, nb)`` scales' bits -> the
+        ``(R, shard_size)`` dequantized shards in ``dtype`` (the scales, ``R * nb`` values, are computed with the
+        shared kernels: small)."""
         n, nb, block = rows_bytes.shape[0], self.nb, self.block
         q = self.reshape(self.slice(rows_bytes, (0, 0), (n, nb * block), (1, 1)), (n, nb, block))
-        scale = scales_of(bytes_to_words(rows_bytes[:, nb * block:]).reshape((n, nb, 1)))
+        scale = scales_of(scale_bits).reshape((n, nb, 1))
         values = self.reshape(self.mul(q, self.tile(scale, (1, 1, block))), (n, nb * block))
         if nb * block != self.shard_size:
             values = self.slice(values, (0, 0), (n, self.shard_size), (1, 1))
@@ -229,12 +237,12 @@ class QuantizedGather(nn.Cell):
     def payload(self, shard):
         """This rank's payload of ``shard``, as it crosses the collective (no gradient: :meth:`rows_of` gives the
         shard its gradient through the port)."""
-        return ops.stop_gradient(send(encode(shard, self.block, self.nb), self.int8_wire))
+        return ops.stop_gradient(encode(shard, self.block, self.nb, self.int8_wire))
 
     def rows_of(self, sent, shard):
-        got = self.decoder.receive(self.gather(sent), self.rows)
+        got, scale_bits = self.decoder.receive(self.gather(sent), self.rows)
         if self.has_select:
-            got = self.take(got, self.select, 0)
-        values = ops.stop_gradient(self.decoder.decode(got, shard.dtype))  # the gradient enters at the port only
+            got, scale_bits = self.take(got, self.select, 0), self.take(scale_bits, self.select, 0)
+        values = ops.stop_gradient(self.decoder.decode(got, scale_bits, shard.dtype))  # the gradient enters at the port only
         port = self.port(self.tile(shard.reshape((1, -1)), (self.kept, 1)))
         return self.add(values, self.add(port, ops.stop_gradient(self.neg(port))))

@@ -21,13 +21,12 @@ class RoundTrip(nn.Cell):
         self.words, self.int8 = K.Decoder(block, nb, size, False), K.Decoder(block, nb, size, True)
 
     def construct(self, x):
-        payload = K.encode(x, self.block, self.nb)
-        words = K.send(payload, False)
-        as_int8 = K.send(payload, True)
-        from_words = self.words.receive(words, 1)
-        from_int8 = self.int8.receive(as_int8, 1)
-        return payload, words, as_int8, self.words.decode(from_words, x.dtype).reshape((-1,)), \
-            self.int8.decode(from_int8, x.dtype).reshape((-1,))
+        words = K.encode(x, self.block, self.nb, False)
+        as_int8 = K.encode(x, self.block, self.nb, True)
+        from_words, bits_w = self.words.receive(words, 1)
+        from_int8, bits_8 = self.int8.receive(as_int8, 1)
+        return words, as_int8, self.words.decode(from_words, bits_w, x.dtype).reshape((-1,)), \
+            self.int8.decode(from_int8, bits_8, x.dtype).reshape((-1,)), from_words.reshape((-1,)), bits_w
 
 
 def _input(size, dtype, seed):
@@ -50,11 +49,13 @@ def test_graph_kernels_equal_the_numpy_twin(name):
     x = CASES[name]
     block = 16
     nb = Q.blocks(x.size, block)
-    payload, words, as_int8, from_words, from_int8 = (t.asnumpy() for t in RoundTrip(block, nb, x.size)(Tensor(x)))
+    words, as_int8, from_words, from_int8, received, bits = (t.asnumpy() for t in
+                                                             RoundTrip(block, nb, x.size)(Tensor(x)))
     ref = Q.payload(x, block)
-    assert np.array_equal(payload, ref.astype(np.int32))
     assert words.dtype == np.int32 and np.array_equal(words, ref.view(np.int32))  # the CPU wire
     assert as_int8.dtype == np.int8 and np.array_equal(as_int8, ref)  # the GPU/Ascend wire
+    assert np.array_equal(received, ref.astype(np.float32))  # the bytes the receiver reads from the words
+    assert np.array_equal(bits.reshape(-1), ref[nb * block:].view(np.int32))  # the scales' IEEE bits
     expected = Q.decode(ref, x.size, block, x.dtype)
     assert from_words.dtype == x.dtype
     assert np.array_equal(from_words, expected) and np.array_equal(from_int8, expected)
