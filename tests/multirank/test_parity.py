@@ -283,7 +283,8 @@ def test_mixed_precision_stage_equals_stage0(run, model, stage):
     """fp16 parameters and fp32 masters: stages 1-3 equal stage 0 of the same policy (losses, fp16 parameters
     and fp32 masters, ``@master``), including a forced fp16 overflow skipped by all ranks (mixed) and frozen
     fp16 weights sharded at stage 3 (lora). At 4 ranks stage 3 only (suite time; stages 1-2 at 4 ranks:
-    mp-accum); the default suite's 2-rank launch runs stages 1-2 of the mixed net (``FULL_TIER_ONLY``)."""
+    mp-accum); the default suite's 2-rank launch runs stages 1-2 of the mixed net and stage 3 of the mixed and lora
+    nets (``FULL_TIER_ONLY``; the hybrid launch's mp-h3 runs the gpt in fp16 at stage 3)."""
     n, res = run
     for r in range(n):
         got, ref = res.load(r, f"mp-{model}-{stage}"), res.load(r, f"mp-{model}-0")
@@ -333,8 +334,8 @@ FP32_CELLS = {"mlp": (), "normed": ("1.", "4."), "gpt": ("block.ln1.", "block.ln
 @pytest.mark.parametrize("model", [m for m, _ in AUTO_AMP_MODELS])
 def test_param_dtype_on_a_float32_network_stage_equals_stage0(run, model, stage):
     """``param_dtype=float16`` on a float32 network that mindzero converts: stages 1-3 equal stage 0 of the same
-    policy over 20 steps, the skipped steps included (2 ranks; the default suite runs stage 3, the full tier
-    also stages 1-2: ``FULL_TIER_ONLY``)."""
+    policy over 20 steps, the skipped steps included (2 ranks; the default suite runs stage 3 of the mlp, the full
+    tier every model at stages 1-3: ``FULL_TIER_ONLY``)."""
     n, res = run
     if n == 4:
         pytest.skip("run at 2 ranks only (suite time)")

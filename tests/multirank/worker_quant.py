@@ -47,7 +47,7 @@ class _Read(nn.Cell):
     """What the stage-3 property returns for one parameter (its gather's ``rebuild`` of its shard)."""
 
     def __init__(self, cell, attr):
-        super().__init__()
+        super().__init__(auto_prefix=False)  # the shards keep their names
         self.g = getattr(cell, GATHER_PREFIX + attr)
         self.s = getattr(cell, attr + SHARD_SUFFIX)
 
@@ -55,23 +55,38 @@ class _Read(nn.Cell):
         return self.g.rebuild(self.s)
 
 
+class _Reads(nn.Cell):
+    """Every :class:`_Read` in one graph (one compile for the whole network, not one per parameter)."""
+
+    def __init__(self, reads):
+        super().__init__(auto_prefix=False)
+        self.reads = nn.CellList(reads, auto_prefix=False)  # (a prefix would rename the shards)
+
+    def construct(self):
+        out = ()
+        for read in self.reads:
+            out = out + (read(),)
+        return out
+
+
 def gathered_reads(train, world) -> dict:
     """Each sharded parameter read as the network reads it, next to the numpy twin of every rank's shard."""
     all_gather = ops.AllGather()
-    out, seen = {}, set()
+    out, seen, reads = {}, set(), []
     for _, cell in train.network.cells_and_names():
         for attr in getattr(type(cell), "_mindzero_sharded", ()):
             shard = getattr(cell, attr + SHARD_SUFFIX)
-            if shard.name in seen:
-                continue
-            seen.add(shard.name)
-            gather = getattr(cell, GATHER_PREFIX + attr)
-            got = _Read(cell, attr)().asnumpy()
-            shards = list(all_gather(shard.value()).asnumpy().reshape(world.world_size, -1))
-            full = Q.gathered(shards, gather.qgather.block) if gather.quantized else np.concatenate(shards)
-            out["got/" + shard.name] = got
-            out["twin/" + shard.name] = full[:got.size].reshape(got.shape).astype(got.dtype)
-            out["quantized/" + shard.name] = np.array(bool(gather.quantized))
+            if shard.name not in seen:
+                seen.add(shard.name)
+                reads.append((shard, getattr(cell, GATHER_PREFIX + attr), _Read(cell, attr)))
+    got_all = _Reads([read for _, _, read in reads])()
+    for (shard, gather, _), got in zip(reads, got_all):
+        got = got.asnumpy()
+        shards = list(all_gather(shard.value()).asnumpy().reshape(world.world_size, -1))
+        full = Q.gathered(shards, gather.qgather.block) if gather.quantized else np.concatenate(shards)
+        out["got/" + shard.name] = got
+        out["twin/" + shard.name] = full[:got.size].reshape(got.shape).astype(got.dtype)
+        out["quantized/" + shard.name] = np.array(bool(gather.quantized))
     return out
 
 

@@ -77,14 +77,18 @@ AUTO_AMP_STEPS = 20
 
 # Rows the default suite's launches leave to the full tier (tests/conftest.py; the default suite stays under 30
 # minutes): each has a sibling in the default suite that runs the same code path. Parity at 2 ranks: the automatic
-# fp16 conversion at stages 1-2 (stages 0 and 3 and every model's conversion stay; stages 1-2 share their
-# reduction with mp-mixed-1/2) and fp16 of the gpt, resnet and lora models at stages 1-2 (mp-mixed and mp-accum
-# keep fp16 at every stage). Hybrid: the models other than the mixed net at hybrid stages 0 and 2 (mixed-h0/h2,
-# clip-h2, overflow-h2 and accum-h2 stay), and the fused GPU/Ascend path at hybrid stage 2 (fused at 1 and 3 stay).
+# fp16 conversion at stages 1-2, and of the gpt and normed models at stage 3 (every model's conversion at stage 0
+# and the mlp's at stage 3 stay; stages 1-2 share their reduction with mp-mixed-1/2) and fp16 of the gpt, resnet
+# and lora models at stages 1-2 and of gpt and resnet at stage 3 (mp-mixed and mp-accum keep fp16 at every stage,
+# mp-lora-3 frozen fp16 weights sharded at stage 3; the hybrid launch's mp-h3 the gpt in fp16 at stage 3). Hybrid: the models other than the mixed net at hybrid stages 0-2
+# (their stage 3 stays, with mixed-h0..h3, clip-h1..h3, overflow-h1..h3 and accum-h2/h3), and the fused
+# GPU/Ascend path at hybrid stage 2 (fused at 1 and 3 stay).
 FULL_TIER_ONLY = frozenset(
     [f"auto-{model}-{stage}" for model, _ in AUTO_AMP_MODELS for stage in (1, 2)]
+    + ["auto-gpt-3", "auto-normed-3"]
     + [f"mp-{model}-{stage}" for model in ("gpt", "resnet", "lora") for stage in (1, 2)]
-    + [f"{model}-h{stage}" for model in PARITY_MODELS if model != "mixed" for stage in (0, 2)]
+    + ["mp-gpt-3", "mp-resnet-3"]
+    + [f"{model}-h{stage}" for model in PARITY_MODELS if model != "mixed" for stage in (0, 1, 2)]
     + ["real-fused-h2"])
 
 
