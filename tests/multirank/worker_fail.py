@@ -21,6 +21,7 @@ allreduce = ops.AllReduce()
 x = Tensor(np.ones(4, np.float32))
 allreduce(x).asnumpy()
 if get_rank() == args.victim % get_group_size():
+    (worker.rank_dir / "death").write_text(repr(time.time()))  # when the job starts to end (test_launch.py)
     if args.mode == "raise":
         raise RuntimeError(f"deliberate failure on rank {get_rank()}")
     if args.mode == "kill":
