@@ -133,14 +133,11 @@ class Emulated(Backend):
 
     def host_gather(self):
         """A world all-gather, the op group's rows kept (in numpy)."""
-        gather, world = self._world_gather(), self.world
-        rows = list(world.op_ranks)
-
-        def run(x):
-            got = gather(x).asnumpy()
-            return got.reshape((world.world_size, -1))[rows].reshape((-1,)) if world.hybrid else got
-
-        return run
+        gather, rows = self._world_gather(), self._rows_select()
+        if rows is None:
+            return lambda x: gather(x).asnumpy()
+        rows, size = rows.asnumpy(), self.world.world_size
+        return lambda x: gather(x).asnumpy().reshape((size, -1))[rows].reshape((-1,))
 
     def quantized_gather(self, numel, padding, shard_size, block, reduce_dtype=None):
         """A world all-gather of int32 words (CPU has no int8 all-gather), the op group's rows kept."""
