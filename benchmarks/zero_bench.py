@@ -41,7 +41,8 @@ from zero_bench_worker import add_model_args, model_args  # noqa: E402
 MIB = 2 ** 20
 NAMES = {"dp": "plain DP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3",
          "2bfs": "stage 2, default order", "3bfs": "stage 3, default order",  # bfs: before the depth-first compile
-         "3q": "stage 3, int8 gathers", "3h": "stage 3, fp16 reduction", "3qh": "stage 3, int8 + fp16"}  # issue 24
+         "3q": "stage 3, int8 gathers", "3h": "stage 3, fp16 reduction", "3qh": "stage 3, int8 + fp16",  # issue 24
+         "3u": "stage 3, a gather per block", "3uh": "stage 3, per block + fp16", "3quh": "stage 3, all three"}
 PHASES = ("init", "build", "prepare", "first_step", "steady")
 
 

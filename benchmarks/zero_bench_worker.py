@@ -76,7 +76,8 @@ def parse_args():
     ap.add_argument("--config", required=True, help="dp, or a zero stage 0-3; '2bfs'/'3bfs': that stage compiled in "
                     "MindSpore's default kernel order instead of depth-first (what it did before; docs/stages.md); "
                     "'3q': stage 3 with int8 weight gathers (gather_quantization='int8'), '3h': with gradients reduced "
-                    "in fp16 (reduce_dtype=float16, loss scale 1024), '3qh': both")
+                    "in fp16 (reduce_dtype=float16, loss scale 1024), '3qh': both; 'u' (e.g. '3u', '3quh'): one all-gather per "
+                    "transformer block (gather_units='*blocks.*')")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=10, help="steps after the first")
     add_model_args(ap)
@@ -198,7 +199,8 @@ def main():
                                                param_dtype="float16" if a.fp16 else None,
                                                gather_quantization="int8" if "q" in flags else None,
                                                reduce_dtype="float16" if half_reduce else None,
-                                               scale_sense=1024.0 if half_reduce else 1.0)
+                                               scale_sense=1024.0 if half_reduce else 1.0,
+                                               gather_units="*blocks.*" if "u" in flags else None)
         if a.config.endswith("bfs"):
             train.exec_order = None  # MindSpore's default order (bfs), as before the depth-first compile
         if a.pretrained:

@@ -36,7 +36,7 @@ from mindspore import Tensor, nn, ops
 from ..core.topology import COLLECTIVES, EMULATED, SINGLE, SUBSTITUTE, World
 from ..engine.kernels import MAP, as_rows, flat_concat, own_part, own_shard
 from .quantize import QuantizedGather, bytes_to_words, words_to_bytes
-from .shard_gather import make_shard_gather
+from .shard_gather import GradientPort, UnitGather, make_shard_gather
 
 
 class Backend:
@@ -53,12 +53,16 @@ class Backend:
     * ``quantized_gather(numel, padding, shard_size, block, reduce_dtype)``: the same gather sending int8 values
       with fp32 block scales (:class:`mindzero.comm.quantize.QuantizedGather`: the op group's rows only, the
       same exact backward), or ``None`` where nothing is gathered;
+    * ``unit_gather(shards)``: one all-gather of several parameters' shards, concatenated, without a gradient
+      (:class:`mindzero.comm.shard_gather.UnitGather`), or ``None`` where nothing is gathered; each member's
+      gradient enters through its ``gradient_port(numel, padding, reduce_dtype)``, the exact gather's reduction;
     * ``host_gather()``: ``(s,) tensor -> (op_size * s,) numpy array``, the op group's tensors concatenated in
       group order, called eagerly (host-side tools such as ``gather_full_state_dict``: no graph to compile per
       shape; measured on the test GPT at 2 ranks: 2.3 s of graph compiles -> milliseconds).
     """
 
     name = None
+    int8_wire = False  # whether its all-gather takes int8 (else a quantized payload travels as int32 words)
 
     def __init__(self, world: World):
         self.world = world
@@ -76,6 +80,34 @@ class Backend:
     def _rows_select(self):
         """The world ranks of this rank's op group, as a row index into a world all-gather (hybrid only)."""
         return Tensor(list(self.world.op_ranks), ms.int32) if self.world.hybrid else None
+
+    def _port_gather(self):
+        """``(gather, rows, select)`` of a gather whose values travel without a gradient (quantized, or a unit's),
+        or ``None`` where nothing is gathered."""
+        return None
+
+    def _port_bprop(self, numel, padding, reduce_dtype):
+        """The exact gather's reduction of one parameter's ``(kept rows, shard)`` gradient into its shard."""
+        raise NotImplementedError  # every backend with a _port_gather defines it
+
+    def quantized_gather(self, numel, padding, shard_size, block, reduce_dtype=None):
+        parts = self._port_gather()
+        if parts is None:
+            return None
+        gather, rows, select = parts
+        return QuantizedGather(gather, self.int8_wire, rows, shard_size, block, select,
+                               self._port_bprop(numel, padding, reduce_dtype),
+                               _gradient_attrs(self, numel, padding, reduce_dtype))
+
+    def unit_gather(self, shards):
+        parts = self._port_gather()
+        return None if parts is None else UnitGather(shards, *parts)
+
+    def gradient_port(self, numel, padding, reduce_dtype, kept: int, tag: str):
+        """The :class:`~mindzero.comm.shard_gather.GradientPort` of one member of a unit (``tag`` names the unit
+        and the member: MindSpore caches a primitive's gradient by its attributes)."""
+        return GradientPort(self._port_bprop(numel, padding, reduce_dtype), kept,
+                            {**_gradient_attrs(self, numel, padding, reduce_dtype), "mindzero_unit": tag})
 
 
 class SingleRank(Backend):
@@ -97,9 +129,6 @@ class SingleRank(Backend):
 
     def shard_gather(self, numel, padding, reduce_dtype=None):
         return None, None
-
-    def quantized_gather(self, numel, padding, shard_size, block, reduce_dtype=None):
-        return None
 
     def host_gather(self):
         return lambda x: x.asnumpy()
@@ -139,17 +168,19 @@ class Emulated(Backend):
         rows, size = rows.asnumpy(), self.world.world_size
         return lambda x: gather(x).asnumpy().reshape((size, -1))[rows].reshape((-1,))
 
-    def quantized_gather(self, numel, padding, shard_size, block, reduce_dtype=None):
-        """A world all-gather of int32 words (CPU has no int8 all-gather), the op group's rows kept."""
-        return QuantizedGather(self._world_gather(), False, self.world.world_size, shard_size, block,
-                               self._rows_select(), _sum_then_slice_bprop(self, numel, padding, reduce_dtype, None),
-                               _gradient_attrs(self, numel, padding, reduce_dtype))
+    def _port_gather(self):
+        """A world all-gather, the op group's rows kept (quantized: int32 words, CPU has no int8 all-gather)."""
+        return self._world_gather(), self.world.world_size, self._rows_select()
+
+    def _port_bprop(self, numel, padding, reduce_dtype):
+        return _sum_then_slice_bprop(self, numel, padding, reduce_dtype, None)
 
 
 class Collectives(Backend):
     """GPU/Ascend: MindSpore's ``ReduceScatter`` and collectives on the op and dp groups."""
 
     name = COLLECTIVES
+    int8_wire = True
 
     def _primitive(self, kind: str, group: str, ranks: tuple):
         """MindSpore's collective ``kind`` over ``group`` (``ranks``: its world ranks, for the substitute)."""
@@ -184,17 +215,18 @@ class Collectives(Backend):
             return _sum_then_slice_gather(self, numel, padding, reduce_dtype)
         return self._shard_gather(numel, padding, reduce_dtype)
 
-    def quantized_gather(self, numel, padding, shard_size, block, reduce_dtype=None):
-        """An int8 all-gather over the op group; the backward is the exact gather's reduce-scatter."""
-        if self.world.op_size == 1:
-            return None
+    def _port_gather(self):
+        """An all-gather over the op group (quantized: of int8); the backward is the exact gather's reduce-scatter."""
         world = self.world
+        if world.op_size == 1:
+            return None
         gather = self._op("all_gather") if world.hybrid else self._primitive("all_gather", world.world_group,
                                                                               tuple(range(world.world_size)))
-        return QuantizedGather(gather, True, world.op_size, shard_size, block, None,
-                               _reduce_scatter_bprop(self._op("reduce_scatter"), self._dp_sum(), reduce_dtype, None,
-                                                     world.world_size),
-                               _gradient_attrs(self, numel, padding, reduce_dtype))
+        return gather, world.op_size, None
+
+    def _port_bprop(self, numel, padding, reduce_dtype):
+        return _reduce_scatter_bprop(self._op("reduce_scatter"), self._dp_sum(), reduce_dtype, None,
+                                     self.world.world_size)
 
     def _shard_gather(self, numel, padding, reduce_dtype):
         group = self.world.op_group if self.world.hybrid else self.world.world_group

@@ -23,6 +23,7 @@ from mindspore import Tensor, nn, ops
 
 
 from ..core.quant import MIN_NORMAL, QMAX
+from .shard_gather import GradientPort
 
 _POW2 = Tensor(np.array([2.0 ** k for k in range(-126, 128)], np.float32))  # exact: 2**k at index k + 126
 _TWO23 = 1 << 23
@@ -180,34 +181,14 @@ class Decoder(nn.Cell):
         return self.cast(values, dtype)
 
 
-def _into_first_row(reduce_into_shard, rows: int):
-    """The gradient transform of a quantized gather's port: the incoming ``(R, S)`` gradient reduced into this
-    rank's shard (``reduce_into_shard``, the exact gather's backward), placed in row 0 of zeros, so that the sum
-    over rows ``Tile``'s own gradient takes is exactly that reduction (``x + 0 = x``)."""
-
-    def transform(dout):
-        grad = reduce_into_shard(dout[0], None, dout.reshape((-1,)))[0]
-        grad = ops.cast(grad, dout.dtype).reshape((1, -1))
-        if rows == 1:
-            return grad
-        return ops.concat((grad, ops.zeros((rows - 1, grad.shape[1]), grad.dtype)))
-
-    return transform
-
-
 class QuantizedGather(nn.Cell):
     """Stage 3's quantized gather of one parameter: :meth:`payload` (this rank's shard quantized and packed, once
     per step in forward), then :meth:`rows_of` ``(sent, shard) -> (R, S)``: every kept rank's
     ``dequant(quant(shard))`` in the shard's dtype, whose gradient w.r.t. ``shard`` is the backend's exact
     reduction (``bprop``, the exact gather's own).
 
-    The gradient enters through a port: the shard tiled to ``(R, S)`` under ``InsertGradientOf`` (which hands
-    ``Tile``'s gradient the exact reduction in row 0), added as ``rows + (port + stop_gradient(-port))``: exactly
-    ``rows`` (``x + (-x) = 0``). MindSpore has no primitive that returns one input and takes another's gradient;
-    measured dead ends: ``Depend``/``MulNoNan`` subclasses with a registered gradient (built in C++, not looked
-    up by class: lost), ``EmbeddingLookup`` (the gradient turns sparse), ``Expand`` (refuses outputs above 10**6
-    elements), a Cell with ``bprop`` per read site (a 105M GPT at 4 ranks ran out of 24 GiB compiling). No Cell
-    is called here: the methods are inlined. :meth:`regather` marks the collective and the :class:`Decoder` for
+    The gradient enters through a :class:`~mindzero.comm.shard_gather.GradientPort`. No Cell is called here: the
+    methods are inlined. :meth:`regather` marks the collective and the :class:`Decoder` for
     recompute; the payload is kept from forward, so the shard is quantized once a step."""
 
     def __init__(self, gather, int8_wire: bool, rows: int, shard_size: int, block: int, select, bprop, attrs):
@@ -220,15 +201,11 @@ class QuantizedGather(nn.Cell):
         if self.has_select:
             self.select, kept = select, int(select.shape[0])
             self.take = ops.Gather()
-        self.tile, self.kept = ops.Tile(), kept
-        self.port = ops.InsertGradientOf(_into_first_row(bprop, kept))
-        for key, value in attrs.items():  # MindSpore caches a primitive's gradient by name and attributes
-            self.port.add_prim_attr(key, value)
-        self.port.add_prim_attr("mindzero_quant_block", int(block))
-        self.add, self.neg = ops.Add(), ops.Neg()
+        self.kept = kept
+        self.port = GradientPort(bprop, kept, {**attrs, "mindzero_quant_block": int(block)})
 
     def regather(self):
-        prims = [self.gather, self.add, self.neg, self.tile, *self.decoder.prims()]
+        prims = [self.gather, *self.port.prims(), *self.decoder.prims()]
         prims += [self.take] if self.has_select else []
         for prim in prims:
             if hasattr(prim, "recompute"):  # (the test-only substitute's all-gather is a function)
@@ -244,5 +221,4 @@ class QuantizedGather(nn.Cell):
         if self.has_select:
             got, scale_bits = self.take(got, self.select, 0), self.take(scale_bits, self.select, 0)
         values = ops.stop_gradient(self.decoder.decode(got, scale_bits, shard.dtype))  # the gradient enters at the port only
-        port = self.port(self.tile(shard.reshape((1, -1)), (self.kept, 1)))
-        return self.add(values, self.add(port, ops.stop_gradient(self.neg(port))))
+        return self.port.attach(values, shard)

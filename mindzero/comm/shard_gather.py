@@ -1,6 +1,8 @@
 """The stage-3 gather: a primitive whose forward all-gathers a parameter's shards and whose registered
 gradient reduces the incoming gradient into this rank's shard (the backend decides how:
-:meth:`mindzero.comm.backends.Backend.shard_gather`).
+:meth:`mindzero.comm.backends.Backend.shard_gather`); and the two gathers whose values travel without a
+gradient, the shard taking its gradient through a *port* (:func:`gradient_port`): the quantized gather
+(:mod:`mindzero.comm.quantize`) and :class:`UnitGather` (several parameters in one all-gather).
 
 A primitive, not a Cell: stage 3 reads every parameter through one, and MindSpore 2.10 compiles a Cell
 call per read site (about 35 ms each, 6 s for a 14-layer GPT) and crashes (SIGSEGV) when a Cell's output
@@ -10,8 +12,9 @@ built, registered for this class.
 """
 from __future__ import annotations
 
-from mindspore import ops
+from mindspore import nn, ops
 from mindspore.ops._grad_experimental.grad_base import bprop_getters
+from mindspore.ops.operations.other_ops import StopGradient
 
 
 class ShardGather(ops.AllGather):
@@ -43,3 +46,87 @@ def make_shard_gather(backend, group: str, numel: int, padding: int, reduce_dtyp
 @bprop_getters.register(ShardGather)
 def _shard_gather_bprop(self):
     return self.zero_bprop
+
+
+def _into_first_row(reduce_into_shard, rows: int):
+    """The gradient transform of a port: the incoming ``(R, S)`` gradient reduced into this rank's shard
+    (``reduce_into_shard``, the exact gather's backward), placed in row 0 of zeros, so that the sum over rows
+    ``Tile``'s own gradient takes is exactly that reduction (``x + 0 = x``)."""
+
+    def transform(dout):
+        grad = reduce_into_shard(dout[0], None, dout.reshape((-1,)))[0]
+        grad = ops.cast(grad, dout.dtype).reshape((1, -1))
+        if rows == 1:
+            return grad
+        return ops.concat((grad, ops.zeros((rows - 1, grad.shape[1]), grad.dtype)))
+
+    return transform
+
+
+class GradientPort(nn.Cell):
+    """Where a gathered value that travelled without a gradient gives its shard the exact gather's gradient.
+
+    :meth:`attach` ``(values (R, S), shard) -> values``: the same values, plus the shard tiled to ``(R, S)``
+    under ``InsertGradientOf`` (which hands ``Tile``'s gradient the reduction in row 0) added as
+    ``values + (port + stop_gradient(-port))``: exactly ``values`` (``x + (-x) = 0``), whose gradient w.r.t.
+    ``shard`` is ``bprop`` of the incoming ``(R, S)`` gradient. MindSpore has no primitive that returns one input
+    and takes another's gradient; measured dead ends: ``Depend``/``MulNoNan`` subclasses with a registered
+    gradient (built in C++, not looked up by class: lost), ``EmbeddingLookup`` (the gradient turns sparse),
+    ``Expand`` (refuses outputs above 10**6 elements), a Cell with ``bprop`` per read site (a 105M GPT at 4
+    ranks ran out of 24 GiB compiling). Called as methods (inlined), never as a Cell."""
+
+    def __init__(self, bprop, rows: int, attrs: dict):
+        super().__init__(auto_prefix=False)
+        self.rows = rows
+        self.port = ops.InsertGradientOf(_into_first_row(bprop, rows))
+        for key, value in attrs.items():  # MindSpore caches a primitive's gradient by name and attributes
+            self.port.add_prim_attr(key, value)
+        self.tile, self.add, self.neg = ops.Tile(), ops.Add(), ops.Neg()
+
+    def prims(self):
+        return [self.tile, self.add, self.neg]
+
+    def attach(self, values, shard):
+        port = self.port(self.tile(shard.reshape((1, -1)), (self.rows, 1)))
+        return self.add(values, self.add(port, ops.stop_gradient(self.neg(port))))
+
+
+class UnitGather(nn.Cell):
+    """One all-gather of a unit's shards, concatenated (:mod:`mindzero.core.units`): :meth:`matrix` is every
+    kept rank's concatenated shards, ``(R, sum of shard sizes)``, without a gradient; each member's reader
+    takes its columns and attaches its own :class:`GradientPort`.
+
+    Every read site of the unit calls :meth:`matrix` with the same primitive on the same Parameters, so graph
+    mode's common-subexpression elimination leaves one all-gather per unit (and, with ``regather``, one in
+    backward). ``gather``: the backend's all-gather primitive (``rows`` ranks of it in the result), ``select``:
+    ``None`` or the rows this rank's op group keeps (a world gather on CPU under hybrid sharding)."""
+
+    def __init__(self, shards, gather, rows: int, select):
+        super().__init__(auto_prefix=False)
+        # a plain tuple of Parameters: graph mode reads them, the Cell does not register them as its own (the
+        # reading Cells own them, under their names)
+        self.shards = tuple(shards)
+        self.gather, self.rows = gather, rows
+        self.has_select = select is not None
+        self.kept = rows
+        if self.has_select:
+            self.select, self.kept = select, int(select.shape[0])
+        self.concat, self.reshape, self.take, self.stop = ops.Concat(), ops.Reshape(), ops.Gather(), StopGradient()
+        self.offsets, offset = [], 0
+        for shard in self.shards:
+            self.offsets.append(offset)
+            offset += int(shard.shape[0])
+        self.size = offset
+
+    def regather(self):
+        """Mark the gather for recompute (once: every member's reader asks; a second ``recompute()`` would find
+        the attribute it set shadowing the method)."""
+        for prim in (self.gather, self.concat, self.reshape, self.take, self.stop):
+            if callable(getattr(prim, "recompute", None)):  # (the test-only substitute's all-gather is a function)
+                prim.recompute()
+
+    def matrix(self):
+        got = self.reshape(self.gather(self.concat(self.shards)), (self.rows, self.size))
+        if self.has_select:
+            got = self.take(got, self.select, 0)
+        return self.stop(got)

@@ -148,16 +148,32 @@ def step_calls(state, world: World) -> list:
         sharded = [p for p in state.params if p.sharded]
         frozen = [s for s in state.plan if s.frozen] if state.plan is not None else []
         quant = config.gather_quantization
-        for spec in [p.spec for p in sharded] + frozen:  # one gather per parameter where it is used
-            micro += all_gather_calls([spec], world, "forward", quant)
+        # gather_units: a unit's parameters share one gather, where its first member is read (and, with
+        # regather, one in backward where its last member's gradient is reduced); the rest one each
+        read = [p.spec for p in sharded] + frozen
+        unit_of = {name: unit for unit in state.units for name in unit}
+        by_name = {s.name: s for s in read}
+
+        def gathers(spec, phase, done):
+            unit = unit_of.get(spec.name)
+            if unit is None:
+                return all_gather_calls([spec], world, phase, quant)
+            if unit in done:
+                return []
+            done.add(unit)
+            return all_gather_calls([by_name[n] for n in unit], world, phase, quant)
+
+        forward, backward = set(), set()
+        for spec in read:  # one gather per parameter (or unit) where it is used
+            micro += gathers(spec, "forward", forward)
         for p in reversed(sharded):
             if state.regather:
-                micro += all_gather_calls([p.spec], world, "backward", quant)
+                micro += gathers(p.spec, "backward", backward)
             micro += reduce_scatter_calls([p.reduce_spec], world, "backward")
         # a frozen weight has no gradient to reduce; backward gathers it again where the gradient of its
         # layer's input is needed (every frozen layer above the lowest trainable one): at most once each
         if state.regather:
-            micro += [c for s in frozen for c in all_gather_calls([s], world, "backward", quant)]
+            micro += [c for s in frozen for c in gathers(s, "backward", backward)]
     for b in state.micro:
         micro += reduce_scatter_calls(b.specs, world, "backward")
     for b in state.boundary:

@@ -16,6 +16,7 @@ from typing import Optional
 
 from .checks import is_int, is_number, require_bool, require_int
 from .quant import GatherQuantization
+from .units import GatherUnits
 
 
 @dataclass(frozen=True)
@@ -298,6 +299,7 @@ class ZeroConfig:
     stage3_regather: bool = True
     shard_frozen: bool = True  # stage 3 shards the parameters the optimizer does not update and the network reads
     gather_quantization: Optional[GatherQuantization] = None  # stage 3: int8 weight gathers (core/quant.py)
+    gather_units: Optional[GatherUnits] = None  # stage 3: parameters sharing one all-gather (core/units.py)
 
     def __post_init__(self):
         if self.precision is None:
@@ -325,6 +327,13 @@ class ZeroConfig:
                 raise ValueError(f"gather_quantization={quant.kind!r} needs zero_stage=3: it quantizes stage 3's "
                                  f"weight gathers, and zero_stage={self.zero_stage} has none (stages 1-2 gather "
                                  "into the full parameter each rank keeps, which must stay exact)")
+        units = self.gather_units
+        if units is not None:
+            if not isinstance(units, GatherUnits):
+                raise ValueError(f"gather_units must be None or a GatherUnits, got {units!r}")
+            if not self.policy.shard_parameters:
+                raise ValueError(f"gather_units={units.as_setting()!r} needs zero_stage=3: it groups stage 3's weight "
+                                 f"gathers, and zero_stage={self.zero_stage} has none")
         if self.precision.reduce_dtype == "float16" and not self.precision.enabled and self.loss_scale.value == 1.0 \
                 and self.loss_scale.dynamic is None and self.loss_scale.manager is None:
             raise ValueError("reduce_dtype='float16' without param_dtype needs a loss scale, so that small "
@@ -359,7 +368,8 @@ class ZeroConfig:
                           groups=GroupPolicy(a["optimizer_parallel_group"], a["dp_group"], a["hybrid_shard_size"]),
                           optimizer_offload=a["optimizer_offload"], stage3_regather=a["stage3_regather"],
                           shard_frozen=a["shard_frozen"],
-                          gather_quantization=GatherQuantization.parse(a["gather_quantization"]))
+                          gather_quantization=GatherQuantization.parse(a["gather_quantization"]),
+                          gather_units=GatherUnits.parse(a["gather_units"]))
 
 
 #: ``prepare_train_network``'s options and their defaults (its signature repeats them: a test holds the two
@@ -369,7 +379,7 @@ ARGUMENT_DEFAULTS = {
     "clip_grad": False, "clip_norm": 1.0, "verbose": False, "zero_stage": 0, "optimizer_offload": False,
     "optimizer_parallel_group": None, "dp_group": None, "comm_fusion": None, "parallel_modules": None,
     "stage3_regather": True, "param_dtype": None, "reduce_dtype": None, "shard_frozen": True,
-    "gather_quantization": None, "hybrid_shard_size": None,
+    "gather_quantization": None, "gather_units": None, "hybrid_shard_size": None,
 }
 #: the options a settings file cannot hold (objects of the running job)
 NOT_IN_SETTINGS = ("optimizer_parallel_group", "dp_group", "parallel_modules")
@@ -387,6 +397,8 @@ def check_option(key: str, value) -> None:
         MixedPrecision.parse(value, None) if key == "param_dtype" else MixedPrecision.parse(None, value)
     elif key == "gather_quantization":
         GatherQuantization.parse(value)
+    elif key == "gather_units":
+        GatherUnits.parse(value)
     else:
         ZeroConfig.from_arguments({key: value})
 

@@ -94,6 +94,7 @@ class ZeroState:
     loss_scale_manager: object = None  # nn.DynamicLossScaleUpdateCell or None
     ema: object = None  # mindzero.engine.train_step.ZeroEMA or None
     regather: bool = True  # stage 3, graph mode: gather again in backward (stage3_regather)
+    units: tuple = ()  # stage 3 gather_units: the parameter names of each unit gathered in one collective
 
     @property
     def fusion(self):

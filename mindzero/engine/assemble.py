@@ -37,8 +37,8 @@ def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
     plan = build_plan(network, optimizer, world, config)
     check_same_plan(plan, world, config.zero_stage)
     params = _param_states(optimizer, plan, config)
-    digests = {}
-    state_attrs = _shard_state(network, optimizer, config, world, plan, params, digests)
+    digests, units = {}, []
+    state_attrs = _shard_state(network, optimizer, config, world, plan, params, digests, units)
     check_same_values(plan, digests, world)
     _accumulation_buffers(config, params)
     micro, boundary, gather = step_buckets(params, policy, config.fusion)
@@ -49,7 +49,7 @@ def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
                       ms.float32 if precision.enabled else None)
     regather = config.stage3_regather and ms.get_context("mode") == ms.GRAPH_MODE
     return ZeroState(config, world, plan, params, micro, boundary, gather, tuple(state_attrs), scale_sense, manager,
-                     ema, regather)
+                     ema, regather, tuple(units))
 
 
 def _loss_scale(loss_scale: LossScale):
@@ -81,14 +81,14 @@ def _param_states(optimizer, plan: PartitionPlan, config: ZeroConfig) -> tuple:
 
 
 def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: PartitionPlan, params: tuple,
-                 digests: dict) -> tuple:
+                 digests: dict, units: list) -> tuple:
     """Fill each :class:`ParamState`'s weight, target and master: stage 3: network parameters become shards;
     stages 1-2: master shards, all-gathered back after the update; stages 1-3: the optimizer is re-pointed at
     shards; mixed precision: every optimized parameter gets an fp32 master (its stage 1-2 master shard, else a
     copy of what the network holds), which the optimizer updates, and the network's copy is cast to
     ``param_dtype``. Lazily built Parameters (:func:`mindzero.lazy_init`) are materialised one tensor at a
     time: shards where the stage shards, full values where it keeps them; ``digests`` receives the CRC32 of
-    every full value computed.
+    every full value computed; ``units`` receives stage 3's gather units (parameter names).
 
     Returns:
         the optimizer's state-tuple attribute names.
@@ -98,7 +98,8 @@ def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: Par
     if policy.shard_parameters:
         check_pynative_recompute(network, specs)
         shards = shard_network_parameters(network, specs, world, config.stage3_regather, digests,
-                                          precision.reduce_in, config.gather_quantization)
+                                          precision.reduce_in, config.gather_quantization, config.gather_units,
+                                          units)
         for ps in params:
             if ps.sharded:  # the network holds the shard now; keep no reference to the full Parameter
                 ps.weight = ps.target = shards[ps.name]

@@ -26,7 +26,8 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
                           gradient_accumulation_steps=1, clip_grad=False, clip_norm=1.0, verbose=False,
                           zero_stage=0, optimizer_offload=False, optimizer_parallel_group=None, dp_group=None,
                           comm_fusion=None, parallel_modules=None, stage3_regather=True, param_dtype=None,
-                          reduce_dtype=None, shard_frozen=True, gather_quantization=None, config=None):
+                          reduce_dtype=None, shard_frozen=True, gather_quantization=None, gather_units=None,
+                          config=None):
     """Wrap ``network`` (which returns the loss) and ``optimizer`` into a ZeRO train step.
 
     Must be called on all ranks, with the same network and optimizer structure,
@@ -82,6 +83,11 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
             backward weight gathers send int8 values with one fp32 scale per block (ZeRO++'s qwZ; about a
             quarter of fp32's bytes); what a rank stores stays exact. Error bound and when to use it:
             docs/stages.md.
+        gather_units: stage 3, graph mode only: ``None`` (one all-gather per parameter), an int (bytes of full
+            parameters per unit: consecutive parameters share one all-gather) or Cell-name patterns (``"blocks.*"``:
+            each matching Cell's parameters share one, as FSDP2 wraps a block). Values and gradients are
+            exactly those without units; gradients are still reduced one parameter at a time
+            (:mod:`mindzero.core.units`, docs/performance.md).
         parallel_modules: mindone's argument; not needed (stage 3 works for any Cell): a value raises
             ``NotImplementedError``.
         config: a settings file (YAML path) or mapping (:func:`mindzero.load_config`) holding any of the
@@ -100,7 +106,8 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
                      verbose=verbose, zero_stage=zero_stage, optimizer_offload=optimizer_offload,
                      optimizer_parallel_group=optimizer_parallel_group, dp_group=dp_group, comm_fusion=comm_fusion,
                      parallel_modules=parallel_modules, stage3_regather=stage3_regather, param_dtype=param_dtype,
-                     reduce_dtype=reduce_dtype, shard_frozen=shard_frozen, gather_quantization=gather_quantization)
+                     reduce_dtype=reduce_dtype, shard_frozen=shard_frozen, gather_quantization=gather_quantization,
+                     gather_units=gather_units)
     if config is not None:
         settings = {k: v for k, v in resolve_settings(config).items() if k != "checkpoint"}
         arguments = merge_settings(arguments, settings)

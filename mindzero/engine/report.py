@@ -69,7 +69,14 @@ def plan_text(train_net) -> str:
                      f"{len(quantized)} of {len(info.plan.sharded)} sharded parameters: "
                      f"{report['expected']['quantization_buffers'] / mib:.3f} MiB sent per gather round instead of "
                      f"{exact / mib:.3f} MiB (kept from forward for the backward re-gather)")
-    lines.append("persistent bytes per rank (measured = plan):")
+    if info.units:
+        full = [sum(info.plan[n].numel * info.plan[n].itemsize for n in unit) for unit in info.units]
+        largest = max(s.numel * s.itemsize for s in info.plan.sharded)
+        plural = "s" if len(info.units) > 1 else ""
+        lines.append(f"weight gathers: {len(info.units)} unit{plural} of {sum(len(u) for u in info.units)} parameters "
+                     f"({config.gather_units.as_setting()!r}), one all-gather each; the largest unit "
+                     f"{max(full) / mib:.3f} MiB gathered at once (transient; the largest parameter: "
+                     f"{largest / mib:.3f} MiB)")
     for kind in ("parameters", "gradients", "optimizer_states"):
         lines.append(f"  {kind:<17} {report[kind] / mib:10.3f} MiB (plan {report['expected'][kind] / mib:.3f} MiB)")
     lines.append(info.plan.summary())

@@ -15,6 +15,10 @@ gradient w.r.t. a shard arrives already summed over the world.
 A Parameter shared by several Cells (tied weights) gets one shard, read through
 the ``GatherFull`` of each reading Cell's dtype; the gradients of the reads add up.
 
+With ``gather_units`` (:mod:`mindzero.core.units`), the members of a unit read their columns of the unit's
+one all-gather (:class:`mindzero.comm.shard_gather.UnitGather`: the reads' identical gathers merge into one
+in graph mode) and take their gradients through a port each: the exact gather's reduction, per parameter.
+
 Warning: outside ``construct`` reading ``cell.w`` of a stage-3 network runs an
 all-gather, so it must be done on all ranks.
 """
@@ -27,6 +31,7 @@ from ..comm.backends import backend_of
 from ..comm.cells import ReduceScatterSum, shard_gather
 from ..core.plan import ShardSpec
 from ..core.topology import World
+from ..core.units import Read
 from .materialize import make_shard
 
 SHARD_SUFFIX = "_zero_shard"
@@ -68,6 +73,18 @@ class GatherFull(nn.Cell):
         self.reshape = ops.Reshape()
         self.cast = ops.Cast()
         self.reduce_scatter = ReduceScatterSum(world)
+        self.in_unit = False
+
+    def join_unit(self, unit, offset: int, shard_size: int, port):
+        """Read this parameter as columns ``[offset, offset + shard_size)`` of ``unit``'s gather
+        (:class:`~mindzero.comm.shard_gather.UnitGather`); ``port``: its gradient's way in, ``None`` for a frozen
+        parameter."""
+        self.in_unit, self.offset, self.shard_size = True, offset, shard_size
+        self.insert_child_to_cell("unit", unit)
+        self.has_port = port is not None
+        if self.has_port:
+            self.insert_child_to_cell("port", port)
+        self.columns = ops.StridedSlice()
 
     @staticmethod
     def key(spec: ShardSpec, compute_dtype=None, quant_block=None) -> tuple:
@@ -78,7 +95,10 @@ class GatherFull(nn.Cell):
         """Recompute the gather chain in backward instead of keeping the full value from forward (quantized:
         the collective and the decode; the payload is kept from forward, so each shard is quantized once)."""
         prims = [self.slice, self.reshape, self.cast]
-        if self.quantized:
+        if self.in_unit:
+            self.unit.regather()
+            prims += [self.columns] + (self.port.prims() if self.has_port else [])
+        elif self.quantized:
             self.qgather.regather()
         if not self.identity:
             prims.append(self.gather)
@@ -89,7 +109,13 @@ class GatherFull(nn.Cell):
 
     def rebuild(self, shard):
         full = shard
-        if self.quantized:
+        if self.in_unit:
+            kept = self.unit.kept
+            full = self.columns(self.unit.matrix(), (0, self.offset), (kept, self.offset + self.shard_size), (1, 1))
+            if self.has_port:
+                full = self.port.attach(full, shard)
+            full = self.reshape(full, (-1,))
+        elif self.quantized:
             full = self.reshape(self.qgather.rows_of(self.qgather.payload(shard), shard), (-1,))
         elif not self.identity:
             full = self.gather(shard)
@@ -189,7 +215,8 @@ def check_pynative_recompute(network: nn.Cell, specs: dict) -> None:
 
 
 def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regather: bool = True,
-                             digests=None, reduce_dtype=None, quantization=None) -> dict:
+                             digests=None, reduce_dtype=None, quantization=None, units=None,
+                             units_out=None) -> dict:
     """Stage 3: replace every sharded Parameter of ``network`` by its shard, in place.
 
     Args:
@@ -204,12 +231,29 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regath
         reduce_dtype: the dtype (name) the gathers' backward reduces gradients in (``None``: the shard's).
         quantization: ``None``, or the :class:`~mindzero.core.quant.GatherQuantization` deciding which
             parameters' gathers send int8 values with fp32 block scales.
+        units: ``None``, or the :class:`~mindzero.core.units.GatherUnits` deciding which parameters share one
+            all-gather (graph mode only).
+        units_out: a list that receives the parameter names of each unit formed (for the plan's calls).
 
     Returns:
         parameter name -> shard Parameter (one per full Parameter, shared by tied uses).
+
+    Raises:
+        ValueError: ``units`` in PyNative mode.
     """
+    graph_mode = ms.get_context("mode") == ms.GRAPH_MODE
+    if units is not None and not graph_mode:
+        raise ValueError(f"gather_units={units.as_setting()!r} needs GRAPH_MODE: PyNative runs every read's gather "
+                         "separately, so each would all-gather its whole unit; pass gather_units=None")
+
+    def quant_block(name, spec):
+        return quantization.block_size if quantization is not None and quantization.applies(name, spec.shape) \
+            else None
+
+    unit_of = _unit_members(network, specs, units, quant_block) if units is not None else {}
     shards = {}
     gathers = {}  # GatherFull.key -> GatherFull, shared by every parameter with that shape and reading dtype
+    members = {}  # unit index -> [(name, GatherFull)], in unit order
     for _, cell in network.cells_and_names():
         attrs = []
         for attr, param in list(cell._params.items()):
@@ -219,17 +263,50 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regath
             if param.name not in shards:
                 shards[param.name] = make_shard(param, spec, param.name, param.requires_grad, digests)
             dtype = compute_dtype(cell)
-            block = quantization.block_size if quantization is not None and quantization.applies(
-                param.name, spec.shape) else None
-            key = GatherFull.key(spec, dtype, block)
+            block = quant_block(param.name, spec)
+            key = ("unit", param.name) if param.name in unit_of else GatherFull.key(spec, dtype, block)
             if key not in gathers:
                 gathers[key] = GatherFull(spec, world, dtype, reduce_dtype, block)
-                if regather and ms.get_context("mode") == ms.GRAPH_MODE:
-                    gathers[key].regather()
+                if param.name in unit_of:
+                    members.setdefault(unit_of[param.name], []).append((param.name, gathers[key]))
             del cell._params[attr]
             cell.insert_param_to_cell(attr + SHARD_SUFFIX, shards[param.name])
             cell.insert_child_to_cell(GATHER_PREFIX + attr, gathers[key])
             attrs.append(attr)
         if attrs:
             cell.__class__ = _sharded_subclass(type(cell), attrs)
+    backend = backend_of(world)
+    for index, unit in sorted(members.items()):
+        gather = backend.unit_gather([shards[name] for name, _ in unit])
+        if gather is None:  # nothing is gathered (an op group of one rank): each reads its own, as without units
+            continue
+        if units_out is not None:
+            units_out.append(tuple(name for name, _ in unit))
+        for (name, reader), offset in zip(unit, gather.offsets):
+            spec, shard = specs[name], shards[name]
+            port = backend.gradient_port(spec.numel, spec.padding, reduce_dtype, gather.kept,
+                                         f"{index}:{name}") if shard.requires_grad else None
+            reader.join_unit(gather, offset, spec.shard_size, port)
+    if regather and graph_mode:
+        for reader in gathers.values():
+            reader.regather()
     return shards
+
+
+def _unit_members(network: nn.Cell, specs: dict, units, quant_block) -> dict:
+    """Parameter name -> the index of its unit (:meth:`~mindzero.core.units.GatherUnits.group`), for the sharded
+    parameters read by one Cell and gathered exactly; the others are in no unit."""
+    readers, order = {}, []
+    for cell_name, cell in network.cells_and_names():
+        for param in cell._params.values():
+            if param is None or param.name not in specs or not specs[param.name].sharded:
+                continue
+            if param.name not in readers:
+                order.append(param.name)
+            readers.setdefault(param.name, []).append(cell_name)
+    reads = []
+    for name in order:
+        spec = specs[name]
+        alone = len(readers[name]) > 1 or quant_block(name, spec) is not None  # tied, or quantized
+        reads.append(Read(name, readers[name][0], spec.numel * spec.itemsize, None if alone else (spec.dtype,)))
+    return {name: index for index, unit in enumerate(units.group(reads)) for name in unit}

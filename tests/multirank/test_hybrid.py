@@ -10,7 +10,7 @@ import pytest
 from mindzero.checkpoint.offline import merge_checkpoint, reshard_checkpoint
 from mindzero.checkpoint.tensor_io import open_reader
 from mindzero.launch.local import msrun
-from tests.support.compare import ON_CPU, RTOL_FP16, Results, assert_same_run, rel_err
+from tests.support.compare import LOSS_NOISE, ON_CPU, RTOL_FP16, Results, assert_same_run, rel_err
 from tests.support.models import PARITY_MODELS
 from tests.support.scenarios import hybrid_scenarios
 from tests.support.tier import full_tier, worker_args
@@ -49,6 +49,14 @@ def test_hybrid_equals_plain_data_parallel(res, model, stage):
     for r in range(N):
         assert_same_run(res.load(r, f"{model}-h{stage}"), res.load(r, f"{model}-dp"),
                         f"{model} hybrid stage {stage} vs DP over 4 ranks, rank {r}")
+
+
+def test_hybrid_gather_units_equal_per_parameter_gathers(res):
+    """gather_units under hybrid sharding (CPU: the world all-gather of a unit, the op group's rows kept) trains
+    bit for bit as gathering each parameter alone."""
+    for r in range(N):
+        assert_same_run(res.load(r, "units-h3"), res.load(r, "gpt-h3"), f"units-h3 vs gpt-h3 rank {r}", rtol=0.0,
+                        loss_rtol=LOSS_NOISE)
 
 
 def test_every_rank_of_a_hybrid_run_sees_its_own_data(res):

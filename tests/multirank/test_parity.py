@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from mindzero.launch.local import msrun
-from tests.support.compare import (ON_CPU, RTOL, RTOL_FP16, RTOL_FP16_ACCUM, RTOL_FP16_VS_FP32, Results,
+from tests.support.compare import (LOSS_NOISE, ON_CPU, RTOL, RTOL_FP16, RTOL_FP16_ACCUM, RTOL_FP16_VS_FP32, Results,
                                    assert_parity_checks, assert_same_run, rel_err)
 from tests.support.models import PARITY_MODELS
-from tests.support.scenarios import AUTO_AMP_MODELS, parity_scenarios
+from tests.support.scenarios import AUTO_AMP_MODELS, UNITS, parity_scenarios
 from tests.support.tier import full_tier, worker_args
 
 from . import WORKERS
@@ -64,6 +64,42 @@ def test_fusion_cuts_collectives_per_step(run):
         per_step = {0: 1, 1: 1, 2: 2}[stage]  # stage 2 reduce-scatters each of the 2 micro-steps
         assert fused["all_reduce"]["calls"] == per_step + small, (stage, fused)
         assert plain["all_reduce"]["calls"] > fused["all_reduce"]["calls"]
+
+
+@pytest.mark.parametrize("name, ref", [(u[0], u[4]) for u in UNITS], ids=[u[0] for u in UNITS])
+def test_gather_units_equal_per_parameter_gathers(run, name, ref):
+    """Stage 3 with ``gather_units`` (the Cell rule on the GPT, whose tied embedding keeps its own gather; the
+    size rule on the mixed-precision net, on the LoRA net's frozen weights, with param_dtype and a forced
+    overflow, and on the GPU/Ascend path) trains bit for bit as the same run gathering each parameter alone,
+    at 2 and 4 ranks: the same values gathered, each gradient reduced by itself as before."""
+    n, res = run
+    for r in range(n):
+        assert_same_run(res.load(r, name), res.load(r, ref), f"{name} vs {ref} rank {r}", rtol=0.0,
+                        loss_rtol=LOSS_NOISE)
+
+
+def test_gather_units_cut_the_gathers_counted_in_the_executed_graph(run):
+    """The TinyGPT's block (12 parameters) as one unit: its read sites' gathers merge into one all-gather of
+    the block's concatenated shards in forward and one in backward (counted in the graph MindSpore executes);
+    the other gathers and every reduction are unchanged; the plan counts the same saving (the plan counts
+    one backward gather per parameter, an upper bound: graph mode drops those no gradient needs)."""
+    n, res = run
+    for r in range(n):
+        c = res.json(r, "unit_gathers.json")
+        one, grouped = c["per_parameter"], c["units"]
+        assert one["units"] == [] and len(grouped["units"]) == 1 and len(grouped["units"][0]) == 12, grouped
+        unit_in = grouped["unit_shard"]
+        assert grouped["gather_sizes"].count(unit_in) == 2, grouped  # forward and backward (stage3_regather)
+        assert unit_in not in one["gather_sizes"]
+        others = [s for s in grouped["gather_sizes"] if s != unit_in]
+        assert len(others) == grouped["all_gather"] - 2 and set(others) <= set(one["gather_sizes"])
+        assert one["all_gather"] - grouped["all_gather"] >= 11, (one, grouped)  # at least the forward's 12 -> 1
+        assert grouped["all_reduce"] == one["all_reduce"]
+        assert one["plan"]["all_gather"] - grouped["plan"]["all_gather"] == 2 * 11
+        assert grouped["plan"]["all_reduce"] == one["plan"]["all_reduce"]
+        assert grouped["all_gather"] <= grouped["plan"]["all_gather"]
+        assert "weight gathers: 1 unit of 12 parameters ('block'), one all-gather each" in grouped["verbose"]
+        assert "weight gathers" not in one["verbose"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

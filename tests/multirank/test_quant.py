@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mindzero.launch.local import msrun
-from tests.support.compare import load_npz
+from tests.support.compare import RTOL, load_npz, rel_err
 
 from . import WORKERS
 
@@ -77,14 +77,15 @@ def test_the_packed_cpu_path_equals_the_substituted_gpu_path(out, rank):
                                                ("lora-s3-int8", "lora-s3", 0.1)])
 def test_quantized_training_tracks_the_exact_run(out, run, exact, bound, rank):
     """20 steps: every loss within ``bound`` (relative) of the exact stage-3 run's; the quantized run does
-    differ (the gathers are quantized); exact stage 3 equals plain data parallel."""
+    differ (the gathers are quantized); exact stage 3 equals plain data parallel (1e-5, the parity bar: their
+    losses were bit-identical in most runs, one step 1 ulp apart in two)."""
     q, e = load(out, run, rank), load(out, exact, rank)
     assert len(q["losses"]) == 20
     rel = np.abs(q["losses"] - e["losses"]) / np.abs(e["losses"])
     assert rel.max() <= bound, rel
     assert rel.max() > 0
-    if exact == "gpt-s3":
-        np.testing.assert_array_equal(e["losses"], load(out, "gpt-dp", rank)["losses"])
+    if exact == "gpt-s3":  # within the parity bar (stage 3 and nn.TrainOneStepCell differ in last bits)
+        assert rel_err(e["losses"], load(out, "gpt-dp", rank)["losses"]) <= RTOL
 
 
 @pytest.mark.parametrize("rank", range(N))

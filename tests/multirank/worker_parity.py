@@ -59,6 +59,43 @@ def count_collectives(world, out_dir):
     (out_dir / "collective_counts.json").write_text(json.dumps(results, indent=1))
 
 
+def count_unit_gathers(world, out_dir):
+    """Graph mode: the collectives of one compiled TinyGPT stage-3 step with and without ``gather_units="block"``
+    (one unit of the block's 12 parameters), counted in the executed graph MindSpore saves (``save_graphs``),
+    next to the plan's counts."""
+    import glob
+    import os
+    import re
+    import tempfile
+
+    import mindspore as ms
+
+    from mindzero.core.comm_plan import summarize
+    from mindzero.engine.report import plan_text
+
+    results = {}
+    for variant, units in (("per_parameter", None), ("units", "block")):
+        with tempfile.TemporaryDirectory(dir=out_dir) as ir:
+            ms.set_context(save_graphs=1, save_graphs_path=ir)
+            try:
+                net = build("gpt")
+                train = mindzero.prepare_train_network(net, make_optimizer("sgd", net), zero_stage=3,
+                                                       gather_units=units)
+                train(*batch(type(net), 0, world.world_rank, 0))
+            finally:
+                ms.set_context(save_graphs=0)
+            text = open(max(glob.glob(f"{ir}/**/*execute*.ir", recursive=True), key=os.path.getmtime)).read()
+        sizes = re.findall(r"= AllGather\(.*\n.*?: \(<Tensor\[Float32\], \((\d+)\)>\) ->", text)
+        plan = summarize(train.zero_info.calls)
+        results[variant] = dict(all_gather=len(re.findall(r"= AllGather\(", text)), gather_sizes=[int(x) for x in sizes],
+                                all_reduce=len(re.findall(r"= AllReduce\(", text)),
+                                plan={op: plan[op]["calls"] for op in ("all_gather", "all_reduce")},
+                                units=[list(u) for u in train.zero_info.units],
+                                unit_shard=sum(s.shard_size for s in train.zero_info.plan if s.name.startswith("block.")),
+                                verbose=plan_text(train))
+    (out_dir / "unit_gathers.json").write_text(json.dumps(results, indent=1))
+
+
 def check_collectives(world, out_dir):
     """AnyRank / ReduceScatterSum / AllGather against numpy, on this world."""
     n, r = world.world_size, world.world_rank
@@ -99,6 +136,7 @@ def main():
     check_collectives(world, out_dir)
     check_plan_mismatch(world, out_dir)
     count_collectives(world, out_dir)
+    count_unit_gathers(world, out_dir)
     memory = {}
     for scn in parity_scenarios(world.world_size, worker.args.full_tier):
         if worker.args.only and not scn.name.startswith(tuple(worker.args.only.split(","))):

@@ -145,6 +145,10 @@ def test_pynative_stages_equal():
         net = build("mixed")  # has a recompute() block
         with pytest.raises(ValueError, match="zero_stage=3 in PyNative mode does not support recompute"):
             mindzero.prepare_train_network(net, nn.Adam(net.trainable_params()), zero_stage=3)
+        net = build("gpt")
+        with pytest.raises(ValueError, match="gather_units='block' needs GRAPH_MODE: PyNative runs every read's "
+                                             "gather separately.*pass gather_units=None"):
+            mindzero.prepare_train_network(net, nn.Adam(net.trainable_params()), zero_stage=3, gather_units="block")
     finally:
         ms.set_context(mode=ms.GRAPH_MODE)
 
@@ -192,6 +196,9 @@ def _net_opt(model="awkward"):
      r"gather_quantization\['block_size'\] must be an int multiple of 4.*got 66"),
     (dict(zero_stage=3, gather_quantization={"kind": "int8", "blocks": 64}), ValueError,
      "gather_quantization: unknown key 'blocks'"),
+    (dict(zero_stage=2, gather_units="block"), ValueError, "gather_units='block' needs zero_stage=3"),
+    (dict(zero_stage=3, gather_units=0), ValueError, r"gather_units as a size must be an int >= 1 .*got 0"),
+    (dict(zero_stage=3, gather_units=[3]), ValueError, r"gather_units must be None, an int .*got \[3\]"),
     (dict(zero_stage=2, gather_quantization="int8"), ValueError,
      "gather_quantization='int8' needs zero_stage=3: .*zero_stage=2 has none"),
     (dict(param_dtype=ms.float16, reduce_dtype=ms.int32), ValueError,

@@ -7,6 +7,9 @@ import numpy as np
 import pytest
 
 RTOL = 1e-5  # fp32 parity between stages and with plain data parallel (mostly exact; docs/parity.md)
+# a step's local loss of two runs whose parameters are bit-identical: measured 1 ulp apart at one step of 20
+# now and then (6.6e-8 relative; the same graph math, a different graph around it)
+LOSS_NOISE = 1e-6
 # fp16 has an 11-bit significand: one unit in the last place is 2^-10 = 9.8e-4 relative. Stages add fp16 values in
 # another order where the data flow differs (a tied weight's two gradients summed before or after the reduction;
 # accumulation before or after it), so parity is held to fp16 rounding.
@@ -48,14 +51,15 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)) if b.size else 0.0
 
 
-def assert_same_run(got, ref, what, rtol=RTOL):
-    """Two runs' losses (where the reference is finite) and every final parameter (``param/...``) within
-    ``rtol`` relative (0: bit for bit)."""
+def assert_same_run(got, ref, what, rtol=RTOL, loss_rtol=None):
+    """Two runs' losses (where the reference is finite) within ``loss_rtol`` (default ``rtol``) and every final
+    parameter (``param/...``) within ``rtol`` relative (0: bit for bit)."""
     assert len(got["losses"]) == len(ref["losses"]) >= 10, what
     assert np.all(np.isfinite(ref["losses"])) or "overflow" in what
     finite = np.isfinite(ref["losses"])
     err = rel_err(got["losses"][finite], ref["losses"][finite])
-    assert err <= rtol, f"{what}: losses differ by {err:.2e} relative\n{got['losses']}\n{ref['losses']}"
+    bound = rtol if loss_rtol is None else loss_rtol
+    assert err <= bound, f"{what}: losses differ by {err:.2e} relative\n{got['losses']}\n{ref['losses']}"
     names = sorted(k for k in ref if k.startswith("param/") and not k.endswith("@init"))
     assert names == sorted(k for k in got if k.startswith("param/") and not k.endswith("@init")), \
         f"{what}: parameter names differ"

@@ -89,7 +89,18 @@ FULL_TIER_ONLY = frozenset(
     + [f"mp-{model}-{stage}" for model in ("gpt", "resnet", "lora") for stage in (1, 2)]
     + ["mp-gpt-3", "mp-resnet-3"]
     + [f"{model}-h{stage}" for model in PARITY_MODELS if model != "mixed" for stage in (0, 1, 2)]
-    + ["real-fused-h2"])
+    + ["real-fused-h2"]
+    # gather_units: the default suite keeps the Cell rule on the GPT (tied weights kept out), the GPU/Ascend path
+    # and hybrid (units-h3); the size rule, frozen weights and param_dtype run in the full tier
+    + ["units-mixed-3", "units-lora-3", "mp-units-3"])
+
+#: stage 3's gather_units scenarios (name, model, optimizer, settings, reference): each equals its reference
+#: bit for bit (the same values gathered, the same per-parameter reductions)
+UNITS = [("units-gpt-3", "gpt", "sgd_decay", {"gather_units": "block"}, "gpt-3"),
+         ("units-mixed-3", "mixed", "adamw_groups", {"gather_units": 1 << 20}, "mixed-3"),
+         ("units-lora-3", "lora", "adamw", {"gather_units": 1 << 20}, "lora-3"),
+         ("mp-units-3", "mixed", "adamw_groups", {**FP16, "gather_units": 1 << 20}, "mp-mixed-3"),
+         ("real-units-3", "mixed", "adamw_groups", {**CLIP, "gather_units": trainable_bytes("mixed") // 2}, "real-3")]
 
 
 def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
@@ -144,6 +155,10 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
                                     settings, substitute=True))
         out.append(Scenario("real-mp-3", "mixed", "adamw_groups", 3, FP16, force_overflow=True, substitute=True))
         out.append(Scenario("real-accum-2", "awkward", "adam", 2, {"gradient_accumulation_steps": 4}, substitute=True))
+    for name, model, opt, settings, _ in UNITS:
+        if full or name == "units-gpt-3":  # (4 ranks: real-3 and mp-mixed-3 are not in the reduced matrix)
+            out.append(Scenario(name, model, opt, 3, settings, substitute=name.startswith("real-"),
+                                force_overflow=name.startswith("mp-")))
     return out if full_tier else [s for s in out if s.name not in FULL_TIER_ONLY]
 
 
@@ -167,6 +182,7 @@ def hybrid_scenarios(full_tier: bool = True) -> list:
             for stage in (2, 3)]
     out.append(Scenario("mp-flat0", "gpt", "sgd_decay", 0, FP16))
     out.append(Scenario("mp-h3", "gpt", "sgd_decay", 3, {**HYBRID, **FP16}))  # param_dtype=float16 inside the op groups
+    out.append(Scenario("units-h3", "gpt", "sgd_decay", 3, {**HYBRID, "gather_units": "block"}))  # vs gpt-h3
     for stage in (1, 2, 3):  # the GPU/Ascend path: op-group ReduceScatter + dp-group AllReduce, CPU-legal
         for fused in (False, True):
             settings = {**HYBRID, **CLIP, **({"comm_fusion": thirds("mixed")} if fused else {})}
