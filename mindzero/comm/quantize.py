@@ -23,7 +23,7 @@ from mindspore import Tensor, nn, ops
 
 
 from ..core.quant import MIN_NORMAL, QMAX
-from .shard_gather import GradientPort
+from .shard_gather import GradientPort, StopGradient
 
 _POW2 = Tensor(np.array([2.0 ** k for k in range(-126, 128)], np.float32))  # exact: 2**k at index k + 126
 _TWO23 = 1 << 23
@@ -203,9 +203,10 @@ class QuantizedGather(nn.Cell):
             self.take = ops.Gather()
         self.kept = kept
         self.port = GradientPort(bprop, kept, {**attrs, "mindzero_quant_block": int(block)})
+        self.stop = StopGradient()
 
     def regather(self):
-        prims = [self.gather, *self.port.prims(), *self.decoder.prims()]
+        prims = [self.gather, self.stop, *self.port.prims(), *self.decoder.prims()]
         prims += [self.take] if self.has_select else []
         for prim in prims:
             if hasattr(prim, "recompute"):  # (the test-only substitute's all-gather is a function)
@@ -220,5 +221,7 @@ class QuantizedGather(nn.Cell):
         got, scale_bits = self.decoder.receive(self.gather(sent), self.rows)
         if self.has_select:
             got, scale_bits = self.take(got, self.select, 0), self.take(scale_bits, self.select, 0)
-        values = ops.stop_gradient(self.decoder.decode(got, scale_bits, shard.dtype))  # the gradient enters at the port only
+        # the gradient enters at the port only; a StopGradient of its own, marked for recompute with the rest
+        # (``ops.stop_gradient``'s, unmarked, kept the decoded weight alive from forward to backward: no re-gather)
+        values = self.stop(self.decoder.decode(got, scale_bits, shard.dtype))
         return self.port.attach(values, shard)
