@@ -74,7 +74,8 @@ def test_gather_units_equal_per_parameter_gathers(run, name, ref):
     at 2 and 4 ranks: the same values gathered, each gradient reduced by itself as before."""
     n, res = run
     for r in range(n):
-        assert_same_run(res.load(r, name), res.load(r, ref), f"{name} vs {ref} rank {r}", rtol=0.0,
+        overflow = " (forced overflow)" if name.startswith("mp-") else ""  # the last rank's step-4 loss is inf
+        assert_same_run(res.load(r, name), res.load(r, ref), f"{name} vs {ref} rank {r}{overflow}", rtol=0.0,
                         loss_rtol=LOSS_NOISE)
 
 
