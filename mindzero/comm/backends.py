@@ -83,12 +83,9 @@ class Backend:
 
     def _port_gather(self):
         """``(gather, rows, select)`` of a gather whose values travel without a gradient (quantized, or a unit's),
-        or ``None`` where nothing is gathered."""
+        or ``None`` where nothing is gathered. A backend that gathers also defines ``_port_bprop(numel, padding,
+        reduce_dtype)``: the exact gather's reduction of one parameter's ``(kept rows, shard)`` gradient."""
         return None
-
-    def _port_bprop(self, numel, padding, reduce_dtype):
-        """The exact gather's reduction of one parameter's ``(kept rows, shard)`` gradient into its shard."""
-        raise NotImplementedError  # every backend with a _port_gather defines it
 
     def quantized_gather(self, numel, padding, shard_size, block, reduce_dtype=None):
         parts = self._port_gather()

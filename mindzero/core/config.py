@@ -319,26 +319,28 @@ class ZeroConfig:
             require_bool(name, getattr(self, name))
         if not is_number(self.clip_norm) or not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be a number > 0, got {self.clip_norm!r}")
-        quant = self.gather_quantization
-        if quant is not None:
-            if not isinstance(quant, GatherQuantization):
-                raise ValueError(f"gather_quantization must be None or a GatherQuantization, got {quant!r}")
-            if not self.policy.shard_parameters:
-                raise ValueError(f"gather_quantization={quant.kind!r} needs zero_stage=3: it quantizes stage 3's "
-                                 f"weight gathers, and zero_stage={self.zero_stage} has none (stages 1-2 gather "
-                                 "into the full parameter each rank keeps, which must stay exact)")
-        units = self.gather_units
-        if units is not None:
-            if not isinstance(units, GatherUnits):
-                raise ValueError(f"gather_units must be None or a GatherUnits, got {units!r}")
-            if not self.policy.shard_parameters:
-                raise ValueError(f"gather_units={units.as_setting()!r} needs zero_stage=3: it groups stage 3's weight "
-                                 f"gathers, and zero_stage={self.zero_stage} has none")
+        quant, units = self.gather_quantization, self.gather_units
+        self._check_stage3_option("gather_quantization", quant, GatherQuantization, lambda q: q.kind,
+                                  "quantizes stage 3's weight gathers", " (stages 1-2 gather into the full parameter "
+                                  "each rank keeps, which must stay exact)")
+        self._check_stage3_option("gather_units", units, GatherUnits, GatherUnits.as_setting,
+                                  "groups stage 3's weight gathers")
         if self.precision.reduce_dtype == "float16" and not self.precision.enabled and self.loss_scale.value == 1.0 \
                 and self.loss_scale.dynamic is None and self.loss_scale.manager is None:
             raise ValueError("reduce_dtype='float16' without param_dtype needs a loss scale, so that small "
                              "gradients do not underflow in fp16: pass scale_sense (a number > 1, e.g. 1024, or "
                              "nn.DynamicLossScaleUpdateCell(2**16, 2, 1000)); got scale_sense=1.0")
+
+    def _check_stage3_option(self, name: str, value, cls, shown, does: str, note: str = "") -> None:
+        """``value`` of the stage-3-only option ``name``: ``None`` or a ``cls``, refused below stage 3 (``shown``:
+        the value as the error names it)."""
+        if value is None:
+            return
+        if not isinstance(value, cls):
+            raise ValueError(f"{name} must be None or a {cls.__name__}, got {value!r}")
+        if not self.policy.shard_parameters:
+            raise ValueError(f"{name}={shown(value)!r} needs zero_stage=3: it {does}, and zero_stage={self.zero_stage} has "
+                             f"none{note}")
 
     @property
     def policy(self) -> StagePolicy:
