@@ -17,6 +17,7 @@ import numpy as np
 
 from .format import COMPLETE, FORMATS, SplitInfo, fsync_dir, split_info_name, write_atomic, write_marker
 from .live import CheckpointError, _Barrier, live_tensors, trainer_state_name
+from ..engine.optim import optimizer_step
 from .tensor_io import crc32_array, open_writer
 
 
@@ -95,7 +96,7 @@ def _make_job(train_net, final: Path, step, weights_only: bool, format: str, sta
     barrier()
     entries = [(e, p) for e, p in live_tensors(train_net, format) if not weights_only or e.kind == "parameter"]
     if step is None:
-        step = int(train_net.optimizer.global_step.asnumpy().reshape(-1)[0])
+        step = optimizer_step(train_net.optimizer)
     split = SplitInfo(run_id, info.config.zero_stage, world.op_size, world.op_rank, int(step), format,
                       info.plan.fingerprint(), tuple(e for e, _ in entries), dp_size=world.dp_size,
                       dp_rank=world.dp_rank)

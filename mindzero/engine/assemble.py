@@ -16,7 +16,7 @@ from ..core.state import MasterPair, ParamState, ZeroState
 from ..core.topology import World
 from .consistency import check_same_plan, check_same_values
 from .materialize import make_shard, materialize
-from .optim import check_optimizer, offload_update, repoint_optimizer, shard_optimizer, state_tuples
+from .optim import check_optimizer, offload_update, optimizer_states, repoint_optimizer, shard_optimizer
 from .stage3 import check_pynative_recompute, shard_network_parameters
 from .train_step import ZeroEMA
 
@@ -31,7 +31,8 @@ def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
     Communication: the plan and value checks (two small all-gathers).
     """
     policy, precision = config.policy, config.precision
-    check_optimizer(optimizer, {p.name: p for p in network.get_parameters()}, policy.shard_optimizer_states)
+    check_optimizer(optimizer, {p.name: p for p in network.get_parameters()}, policy.shard_optimizer_states,
+                    world.device)
     if config.optimizer_offload:
         offload_update(optimizer)
     plan = build_plan(network, optimizer, world, config)
@@ -119,7 +120,7 @@ def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: Par
     if policy.shard_optimizer_states:
         state_attrs = shard_optimizer(optimizer, [ps.spec for ps in params], targets)
     else:
-        state_attrs = repoint_optimizer(optimizer, targets) if precision.enabled else tuple(state_tuples(optimizer))
+        state_attrs = repoint_optimizer(optimizer, targets) if precision.enabled else optimizer_states(optimizer)
     # what stays full (stage 0, replicated parameters, buffers, step counters)
     for p in network.get_parameters():
         materialize(p, digests if p.name in specs else None)

@@ -8,15 +8,24 @@ compute the same numbers as on the full tensor. The decay filter and parameter
 groups were resolved by the optimizer's own ``__init__`` from the full
 parameters' names, and are kept as they are.
 
+Two families are accepted: ``mindspore.nn.Optimizer`` (``nn.AdamWeightDecay``, ``nn.Adam``, ``nn.SGD``,
+``nn.Momentum``) and the torch-style ``mindspore.experimental.optim.Optimizer`` that ``mindspore.mint.optim``
+builds on (``mint.optim.Adam``, ``AdamW``, ``SGD``): the same idea, other attribute names (the parameter
+tuple is ``_parameters`` in the first, ``parameters`` in the second; the second keeps per-group states such as
+AMSGrad's ``max_exp_avg_sq`` in its ``param_groups``).
+
 What changes in the optimizer, in place:
 
-* its parameter tuple (``_parameters`` and aliases such as ``parameters`` and
-  ``params``) now holds, for each sharded parameter, a 1D shard Parameter:
-  the network's own shard at stage 3, a *master shard* at stages 1-2;
-* every per-parameter state tuple (e.g. ``adam_m``/``adam_v``, ``moments``,
-  ``accum``/``stat``) holds 1D padded shards of the state, keeping its names;
-* replicated parameters (see :mod:`mindzero.plan`) keep their full Parameter
-  and full state.
+* its parameter tuple (and aliases such as ``parameters`` and ``params``) now holds, for each sharded
+  parameter, a 1D shard Parameter: the network's own shard at stage 3, a *master shard* at stages 1-2;
+* every per-parameter state tuple (e.g. ``adam_m``/``adam_v``, ``moments``, ``accum``/``stat``,
+  ``exp_avg``/``exp_avg_sq``, ``momentum_buf``) holds 1D padded shards of the state, keeping its names;
+* replicated parameters (see :mod:`mindzero.core.plan`) keep their full Parameter and full state;
+* every other reference it keeps to a replaced tensor is cut (:func:`_swap_references`): MindSpore's
+  ``nn.Adam``, ``nn.Momentum`` and ``nn.SGD`` keep the parameter list they were built from
+  (``init_params``), grouped optimizers keep ``group_params``, mint's keep ``param_groups``, and
+  ``Parameter.clone`` records each state in its source's ``param_info.cloned_obj``; any of these would keep
+  a full parameter or a full state alive beside its shard.
 
 Optimizers that are not element-wise (LAMB, LARS, Adafactor, THOR: they use
 per-tensor norms or factored moments) would silently change meaning on shards,
@@ -24,34 +33,54 @@ so they are refused unless ``zero_stage=0``.
 """
 from __future__ import annotations
 
-from mindspore import ParameterTuple, nn
+from mindspore import ParameterTuple, mint, nn
+from mindspore.experimental.optim import Optimizer as TorchStyleOptimizer
 
 from .materialize import make_shard, materialize
 
-ELEMENTWISE_OPTIMIZERS = {nn.AdamWeightDecay, nn.Adam, nn.SGD, nn.Momentum}
+OPTIMIZER_BASES = (nn.Optimizer, TorchStyleOptimizer)
+ELEMENTWISE_OPTIMIZERS = {nn.AdamWeightDecay, nn.Adam, nn.SGD, nn.Momentum, mint.optim.Adam, mint.optim.AdamW,
+                          mint.optim.SGD}
+# optimizers whose update kernel MindSpore 2.10 does not register on CPU: class -> (kernel, what to use there)
+CPU_MISSING_KERNEL = {mint.optim.AdamW: ("AdamW", "mint.optim.Adam with weight_decay (L2, not decoupled) or "
+                                                  "nn.AdamWeightDecay (decoupled, as AdamW)")}
 
 
 def register_elementwise_optimizer(cls) -> None:
     """Declare a user optimizer class element-wise, so stages 1-3 may shard it.
 
-    The class must keep its per-parameter states in ``ParameterTuple``
-    attributes cloned from its parameters (``self.parameters.clone(prefix=...)``).
+    The class must keep its per-parameter states in ``ParameterTuple`` attributes cloned from its
+    parameters (``self.parameters.clone(prefix=...)``).
     """
-    if not (isinstance(cls, type) and issubclass(cls, nn.Optimizer)):
-        raise TypeError(f"cls must be a subclass of mindspore.nn.Optimizer, got {cls!r}")
+    if not (isinstance(cls, type) and issubclass(cls, OPTIMIZER_BASES)):
+        raise TypeError(f"cls must be a subclass of mindspore.nn.Optimizer or mindspore.experimental.optim.Optimizer "
+                        f"(mint.optim's base), got {cls!r}")
     ELEMENTWISE_OPTIMIZERS.add(cls)
 
 
-def check_optimizer(optimizer, network_params: dict, sharding: bool) -> None:
+def param_tuple(optimizer) -> ParameterTuple:
+    """The tuple of Parameters ``optimizer`` updates (its order is the order gradients are handed to it)."""
+    return optimizer._parameters if isinstance(optimizer, nn.Optimizer) else optimizer.parameters
+
+
+def check_optimizer(optimizer, network_params: dict, sharding: bool, device: str = "CPU") -> None:
     """Validate ``optimizer`` against the network.
 
     Raises:
-        TypeError: not a ``mindspore.nn.Optimizer``.
-        ValueError: a parameter it updates is not one of the network's, or it cannot be
-            sharded faithfully (not element-wise, gradient centralization, sparse/lazy/offload Adam).
+        TypeError: not a ``mindspore.nn.Optimizer`` nor a ``mindspore.mint.optim`` optimizer.
+        ValueError: a parameter it updates is not one of the network's; its update kernel does not exist on
+            ``device``; or it cannot be sharded faithfully (not element-wise, gradient centralization,
+            sparse/lazy/offload Adam, a per-group state on some groups only).
     """
-    if not isinstance(optimizer, nn.Optimizer):
-        raise TypeError(f"optimizer must be a mindspore.nn.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(optimizer, OPTIMIZER_BASES):
+        raise TypeError(f"optimizer must be a mindspore.nn.Optimizer or a mindspore.mint.optim optimizer "
+                        f"(mindspore.experimental.optim.Optimizer), got {type(optimizer).__name__}")
+    cls = type(optimizer)
+    if device == "CPU" and cls in CPU_MISSING_KERNEL:
+        kernel, instead = CPU_MISSING_KERNEL[cls]
+        raise ValueError(f"optimizer {cls.__module__}.{cls.__name__} cannot run on CPU: MindSpore 2.10 registers no "
+                         f"CPU kernel for its update op [{kernel}]; on CPU use {instead} (on GPU/Ascend it is "
+                         "accepted and sharded)")
     by_id = {id(p) for p in network_params.values()}
     for p in optimizer.parameters:
         if id(p) not in by_id:
@@ -59,9 +88,9 @@ def check_optimizer(optimizer, network_params: dict, sharding: bool) -> None:
                              "build the optimizer from network.trainable_params()")
     if not sharding:
         return
-    cls = type(optimizer)
     if cls not in ELEMENTWISE_OPTIMIZERS:
-        names = sorted(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        names = sorted(c.__name__ if c.__module__.startswith("mindspore.nn") else f"mint.optim.{c.__name__}"
+                       for c in ELEMENTWISE_OPTIMIZERS)
         raise ValueError(f"optimizer {cls.__name__} cannot be sharded faithfully by zero_stage 1-3: mindzero shards "
                          f"element-wise optimizers only ({', '.join(names)}); use zero_stage=0, or declare the class "
                          "with mindzero.register_elementwise_optimizer if its update is element-wise")
@@ -73,26 +102,93 @@ def check_optimizer(optimizer, network_params: dict, sharding: bool) -> None:
         if getattr(optimizer, attr, False):
             raise ValueError(f"optimizer {cls.__name__} has {attr}=True, which mindzero cannot shard; "
                              "use zero_stage=0 or turn it off")
+    group_state_tuples(optimizer)  # raises for a per-group state on some groups only
+
+
+def _is_state_of(states, params) -> bool:
+    """``states`` is a per-parameter state tuple of ``params``: same length and shapes, each named
+    ``<prefix>.<parameter name>`` (what ``ParameterTuple.clone(prefix=...)`` makes)."""
+    return (isinstance(states, ParameterTuple) and states is not params and len(states) == len(params)
+            and all(s.shape == p.shape and s.name != p.name and s.name.endswith("." + p.name)
+                    for s, p in zip(states, params)))
 
 
 def state_tuples(optimizer) -> dict:
-    """The optimizer's per-parameter state tuples: attribute name -> ParameterTuple.
+    """The optimizer's per-parameter state tuples: attribute name -> ParameterTuple (one Parameter per
+    optimizer parameter, in its order), a mint optimizer's per-group states included once
+    :func:`expose_group_states` has made each one attribute."""
+    params = param_tuple(optimizer)
+    return {attr: value for attr, value in vars(optimizer).items() if _is_state_of(value, params)}
 
-    A state tuple has one Parameter per optimizer parameter, of the same shape, named
-    ``<prefix>.<parameter name>`` (what ``ParameterTuple.clone(prefix=...)`` makes).
+
+def group_state_tuples(optimizer) -> dict:
+    """A mint optimizer's per-group state tuples (AMSGrad's ``max_exp_avg_sq``): key -> one ParameterTuple
+    per parameter group, in group order; ``{}`` for ``nn`` optimizers.
+
+    Raises:
+        ValueError: a state some groups have and others not (``amsgrad`` set per group): it would not cover
+            every parameter, which sharding and checkpoints need.
     """
-    params = optimizer._parameters
-    out = {}
-    for attr, value in vars(optimizer).items():
-        if not isinstance(value, ParameterTuple) or value is params or len(value) != len(params):
-            continue
-        if all(s.shape == p.shape and s.name != p.name and s.name.endswith("." + p.name)
-               for s, p in zip(value, params)):
-            out[attr] = value
-    return out
+    groups = getattr(optimizer, "param_groups", None)
+    if isinstance(optimizer, nn.Optimizer) or not groups:
+        return {}
+    found = [{k for k, v in g.items() if _is_state_of(v, ParameterTuple(g["params"]))} for g in groups]
+    keys = set().union(*found)
+    partial = sorted(k for k in keys if any(k not in f for f in found))
+    if partial:
+        raise ValueError(f"optimizer {type(optimizer).__name__} keeps {partial} in some parameter groups only "
+                         "(amsgrad set per group); mindzero needs it in every group or none: set amsgrad the same "
+                         "for every group")
+    return {k: [g[k] for g in groups] for k in sorted(keys)}
 
 
-def _replace_tuple(optimizer, attrs, old: ParameterTuple, new: list) -> None:
+def optimizer_states(optimizer) -> tuple:
+    """The names of ``optimizer``'s per-parameter state tuples (:func:`state_tuples`), after making each
+    per-group state of a mint optimizer one attribute in parameter order (the same Parameters the groups
+    hold), so that sharding and checkpoints treat every state alike."""
+    for key, per_group in group_state_tuples(optimizer).items():
+        if key not in vars(optimizer):
+            setattr(optimizer, key, ParameterTuple([s for tup in per_group for s in tup]))
+    return tuple(state_tuples(optimizer))
+
+
+def _swap_references(optimizer, mapping: dict, sources) -> None:
+    """Replace, by identity, every reference ``optimizer`` keeps to a key of ``mapping`` (``id(old)`` -> new
+    Parameter) in its public lists, tuples and dicts (``init_params``, ``group_params``, ``param_groups`` and
+    the ParameterTuples in them, a depth of three), and drop every replaced Parameter from the clone records
+    (``param_info.cloned_obj``) of ``sources`` (the Parameters it was built from) and of those it keeps:
+    otherwise the replaced full tensor stays alive."""
+
+    def swap(value, depth):
+        if depth == 0:
+            return value
+        if isinstance(value, ParameterTuple):  # a group's state (an attribute's own is replaced already)
+            new = [mapping.get(id(v), v) for v in value]
+            return ParameterTuple(new) if any(a is not b for a, b in zip(new, value)) else value
+        if isinstance(value, list):
+            value[:] = [mapping[id(v)] if id(v) in mapping else swap(v, depth - 1) for v in value]
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                value[k] = mapping[id(v)] if id(v) in mapping else swap(v, depth - 1)
+        elif isinstance(value, tuple):
+            new = tuple(mapping[id(v)] if id(v) in mapping else swap(v, depth - 1) for v in value)
+            return new if any(a is not b for a, b in zip(new, value)) else value
+        return value
+
+    for attr, value in list(vars(optimizer).items()):
+        if not attr.startswith("_") and isinstance(value, (list, dict, tuple)) and not isinstance(value, ParameterTuple):
+            new = swap(value, 3)
+            if new is not value:
+                object.__setattr__(optimizer, attr, new)
+    for p in (*sources, *optimizer.get_parameters()):
+        clones = getattr(p.param_info, "cloned_obj", None)
+        if clones:
+            clones[:] = [c for c in clones if id(c) not in mapping]
+
+
+def _replace_tuple(optimizer, attrs, old, new: list) -> dict:
+    """Set ``attrs`` of ``optimizer`` to ``ParameterTuple(new)`` in place of ``old`` (dropping ``old``'s
+    entries from the Cell's parameter table). Returns ``{id(old[i]): new[i]}`` where they differ."""
     # by identity: the key is the name at the optimizer's construction, which a later wrapping Cell
     # may have prefixed (a stale entry would keep the full tensor alive)
     gone = {id(p) for p in old}
@@ -100,31 +196,38 @@ def _replace_tuple(optimizer, attrs, old: ParameterTuple, new: list) -> None:
         del optimizer._params[key]
     new_tuple = ParameterTuple(new)
     for attr in attrs:
-        object.__delattr__(optimizer, attr)
+        if attr in vars(optimizer):
+            object.__delattr__(optimizer, attr)
         setattr(optimizer, attr, new_tuple)
+    return {id(o): n for o, n in zip(old, new) if o is not n}
 
 
 def shard_optimizer(optimizer, specs: list, shard_params: list) -> tuple:
-    """Re-point ``optimizer`` at shards, in place.
+    """Re-point ``optimizer`` at shards, in place, and cut its references to what was replaced.
 
     Args:
         optimizer: the user's optimizer (validated by :func:`check_optimizer`).
         specs: the :class:`ShardSpec` of each optimizer parameter, in ``optimizer.parameters`` order.
         shard_params: what the optimizer must update for each parameter, same order: a shard
             Parameter for sharded ones, the full Parameter for replicated ones.
+
+    Returns:
+        the state-tuple attribute names (:func:`optimizer_states`).
     """
-    old = optimizer._parameters
+    old = param_tuple(optimizer)
     if len(specs) != len(old) or len(shard_params) != len(old):
         raise ValueError(f"specs ({len(specs)}) and shard_params ({len(shard_params)}) must match the optimizer's "
                          f"{len(old)} parameters")
-    found = state_tuples(optimizer)
-    for attr, states in found.items():
+    names, mapping = optimizer_states(optimizer), {}
+    for attr in names:
+        states = getattr(optimizer, attr)
         new = [make_shard(s, spec, s.name, requires_grad=False) if spec.sharded else materialize(s)
                for s, spec in zip(states, specs)]
-        _replace_tuple(optimizer, [attr], states, new)
+        mapping.update(_replace_tuple(optimizer, [attr], states, new))
     aliases = [attr for attr, value in vars(optimizer).items() if value is old]
-    _replace_tuple(optimizer, aliases, old, list(shard_params))
-    return tuple(found)
+    mapping.update(_replace_tuple(optimizer, aliases, old, list(shard_params)))
+    _swap_references(optimizer, mapping, old)
+    return names
 
 
 def repoint_optimizer(optimizer, targets: list) -> tuple:
@@ -132,19 +235,30 @@ def repoint_optimizer(optimizer, targets: list) -> tuple:
     shapes) instead of the network's parameters; its states, cloned from the fp32 parameters, stay.
 
     Returns:
-        the state-tuple attribute names (as :func:`state_tuples`).
+        the state-tuple attribute names (:func:`optimizer_states`).
     """
-    old = optimizer._parameters
+    old = param_tuple(optimizer)
     if len(targets) != len(old) or any(tuple(t.shape) != tuple(p.shape) for t, p in zip(targets, old)):
         raise ValueError(f"targets must match the optimizer's {len(old)} parameters one to one, in shape")
-    found = tuple(state_tuples(optimizer))
-    _replace_tuple(optimizer, [attr for attr, value in vars(optimizer).items() if value is old], old, list(targets))
-    return found
+    names = optimizer_states(optimizer)
+    aliases = [attr for attr, value in vars(optimizer).items() if value is old]
+    _swap_references(optimizer, _replace_tuple(optimizer, aliases, old, list(targets)), old)
+    return names
 
 
 def optimizer_state_params(optimizer, attrs) -> list:
     """Every Parameter of the state tuples ``attrs`` (not step counters or learning rates)."""
     return [p for attr in attrs for p in getattr(optimizer, attr)]
+
+
+def optimizer_step(optimizer) -> int:
+    """The optimizer's step counter: ``global_step`` (``nn``), ``state_step`` (mint's Adam/AdamW) or
+    ``step_t`` (mint's SGD); 0 when it has none."""
+    for attr in ("global_step", "state_step", "step_t"):
+        counter = getattr(optimizer, attr, None)
+        if counter is not None:
+            return int(counter.asnumpy().reshape(-1)[0])
+    return 0
 
 
 _UPDATE_PRIMITIVES = ("fused_opt", "opt", "sparse_opt")  # where MindSpore's optimizers keep their update op
