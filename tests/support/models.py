@@ -3,7 +3,7 @@ in arbitrary expressions, attention with tied embeddings, BatchNorm), the one ta
 and what the tests build from them."""
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, Tensor, mint, nn, ops
 
 from examples.gpt import Block  # the example's attention block
 
@@ -210,7 +210,16 @@ OPTIMIZERS = {
     # issue 22 too): the multi-rank parity runs (1e-5) use it, the one-process tests (bit for bit) do not
     "sgd_decay": lambda ps: nn.SGD(ps, 0.1, momentum=0.9, weight_decay=1e-4),
     "momentum": lambda ps: nn.Momentum(ps, 0.05, 0.9),
+    # MindSpore's torch-style optimizers: Adam with AMSGrad, two groups (decay first: the group order is the
+    # optimizer's parameter order) and per-group lr; SGD with Nesterov momentum and L2 weight decay
+    "mint_adam": lambda ps: mint.optim.Adam([{"params": [p for p in ps if "bias" not in p.name], "weight_decay": 0.01},
+                                             {"params": [p for p in ps if "bias" in p.name], "lr": 5e-3}],
+                                            lr=1e-2, amsgrad=True),
+    "mint_sgd": lambda ps: mint.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=True),
 }
+#: optimizers that are not mindspore.nn.Optimizer: plain data parallel trains them with a reference loop
+#: (tests.support.worker.ReferenceStep), as nn.TrainOneStepCell needs an nn.Optimizer's attributes
+TORCH_STYLE = ("mint_adam", "mint_sgd")
 #: the optimizer each model trains with unless a test says otherwise
 DEFAULT_OPTIMIZER = {"mixed": "adamw_groups", "awkward": "adam", "gpt": "sgd", "resnet": "momentum", "lora": "adamw",
                      "mlp": "adam", "normed": "adamw"}

@@ -155,6 +155,13 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
                                     settings, substitute=True))
         out.append(Scenario("real-mp-3", "mixed", "adamw_groups", 3, FP16, force_overflow=True, substitute=True))
         out.append(Scenario("real-accum-2", "awkward", "adam", 2, {"gradient_accumulation_steps": 4}, substitute=True))
+    # MindSpore's torch-style optimizers against the plain-DP reference loop (tests.support.worker.ReferenceStep):
+    # Adam with AMSGrad and two groups; SGD with Nesterov momentum, accumulation and clipping on the tied GPT (not
+    # the awkward net: mint.optim.SGD itself fails to compile on its 0-d parameter, "For 'Assign' ... dimension")
+    for stage in ("dp", 0, 1, 2, 3):
+        out.append(Scenario(f"mint-adam-{stage}", "mixed", "mint_adam", stage))
+        out.append(Scenario(f"mint-sgd-{stage}", "gpt", "mint_sgd", stage,
+                            {**CLIP, "gradient_accumulation_steps": 2}))
     for name, model, opt, settings, _ in UNITS:
         if full or name == "units-gpt-3":  # (4 ranks: real-3 and mp-mixed-3 are not in the reduced matrix)
             out.append(Scenario(name, model, opt, 3, settings, substitute=name.startswith("real-"),

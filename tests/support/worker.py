@@ -13,7 +13,7 @@ from mindzero.comm import substitute_collectives
 from mindzero.launch.local import start_worker
 
 from .data import batch, concat
-from .models import build, make_optimizer
+from .models import TORCH_STYLE, build, make_optimizer
 
 
 def start(parser=None):
@@ -31,6 +31,34 @@ class Run:
     train: object  # the train step
 
 
+class ReferenceStep:
+    """Plain data parallel as MindSpore's functional API writes it (for optimizers ``nn.TrainOneStepCell`` does
+    not take, such as ``mint.optim``'s): ``mindspore.value_and_grad`` over the optimizer's parameters,
+    ``DistributedGradReducer``'s mean over the world, ``ops.clip_by_global_norm`` when ``clip_norm`` is set, then
+    the optimizer, in one ``mindspore.jit`` function. Called like ``nn.TrainOneStepCell``: returns the loss."""
+
+    def __init__(self, net, opt, clip_norm=None):
+        import mindspore as ms
+        from mindspore import ops
+        from mindspore.nn.wrap.grad_reducer import DistributedGradReducer
+
+        grad_fn = ms.value_and_grad(net, None, opt.parameters)
+        reducer = DistributedGradReducer(opt.parameters)  # the mean (gradients_mean=True) over the world
+
+        @ms.jit
+        def step(*inputs):
+            loss, grads = grad_fn(*inputs)
+            grads = reducer(grads)
+            if clip_norm is not None:
+                grads = ops.clip_by_global_norm(grads, clip_norm)
+            return ops.depend(loss, opt(grads))
+
+        self.step = step
+
+    def __call__(self, *inputs):
+        return self.step(*inputs)
+
+
 def run(scn, world) -> Run:
     """Train ``scn`` on this rank of ``world`` (the whole world: data by world rank)."""
     net = build(scn.model)
@@ -42,7 +70,10 @@ def run(scn, world) -> Run:
     elif scn.mixed_precision and scn.amp == "partial":  # the backbone only; the loss Cell as built
         net._backbone = amp.auto_mixed_precision(net._backbone, "O2")
     k = scn.accumulation
-    if scn.stage == "dp":
+    if scn.stage == "dp" and scn.optimizer in TORCH_STYLE:
+        net.set_train()
+        train = ReferenceStep(net, opt, scn.settings["clip_norm"] if scn.settings.get("clip_grad") else None)
+    elif scn.stage == "dp":
         train = nn.TrainOneStepCell(net, opt)
         train.set_train()
     else:
