@@ -180,6 +180,16 @@ def _swap_references(optimizer, mapping: dict, sources) -> None:
             new = swap(value, 3)
             if new is not value:
                 object.__setattr__(optimizer, attr, new)
+    # the Cell's record of Parameters set in list attributes (its duplicate-name check) holds them too
+    objs, names = vars(optimizer).get("_exist_objs"), vars(optimizer).get("_exist_names")
+    if objs:
+        replaced = [p for p in objs if id(p) in mapping]
+        for p in replaced:
+            objs.discard(p)
+            objs.add(mapping[id(p)])
+            if names is not None:
+                names.discard(p.name)
+                names.add(mapping[id(p)].name)
     for p in (*sources, *optimizer.get_parameters()):
         clones = getattr(p.param_info, "cloned_obj", None)
         if clones:

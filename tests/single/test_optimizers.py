@@ -1,0 +1,110 @@
+"""One process: every optimizer mindzero shards, built eagerly and under ``lazy_init``: after
+``prepare_train_network`` nothing the user's optimizer or network held before stays alive where the stage
+replaces it (weak references), the optimizer holds only what the stage needs, and a lazy build trains as an
+eager one, bit for bit; MindSpore's ``mint.optim`` optimizers are accepted, or refused with the reason."""
+import contextlib
+import json
+
+import numpy as np
+import pytest
+import mindspore as ms
+from mindspore import Tensor, mint, nn
+
+import mindzero
+from tests.support.release import RELEASE_OPTIMIZERS, StackNet, released
+
+ms.set_context(mode=ms.GRAPH_MODE)
+ms.set_device("CPU")
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("kind", list(RELEASE_OPTIMIZERS))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_replaced_tensors_are_released(kind, lazy, stage):
+    """Stage 3 replaces the parameters by shards: no original is alive (MindSpore's nn.Adam, nn.Momentum and
+    nn.SGD keep their parameter list in ``init_params``; Parameter.clone records each state in its source's
+    ``param_info``; Cells record Parameters set in lists); stages 1-3 replace every optimizer state: none of
+    the full ones is alive. The optimizer then holds the plan's bytes, no more."""
+    got = released(kind, lazy, stage)
+    assert got["states"] > 0 and got["states_alive"] == 0, got
+    assert got["params_alive"] == (0 if stage == 3 else got["params"]), got  # stages 1-2 keep full parameters
+    assert got["opt_bytes"] == got["opt_shard_bytes"], got
+
+
+def _train(kind, lazy, stage, steps=2):
+    ms.set_seed(0)
+    with mindzero.lazy_init() if lazy else contextlib.nullcontext():
+        net = StackNet()
+        opt = RELEASE_OPTIMIZERS[kind](net.trainable_params())
+    step = mindzero.prepare_train_network(net, opt, zero_stage=stage)
+    rng = np.random.RandomState(1)
+    losses = [float(step(Tensor(rng.randn(4, 48).astype(np.float32)))[0].asnumpy()) for _ in range(steps)]
+    return losses, mindzero.gather_full_state_dict(step)
+
+
+@pytest.mark.parametrize("kind", list(RELEASE_OPTIMIZERS))
+def test_lazy_build_trains_as_eager_at_stage3(kind):
+    """After the references are cut the optimizer still compiles and updates its shards; a lazy build (one
+    tensor at a time) trains bit for bit as an eager one."""
+    eager_losses, eager = _train(kind, False, 3)
+    lazy_losses, lazy = _train(kind, True, 3)
+    assert lazy_losses == eager_losses
+    assert eager.keys() == lazy.keys()
+    for name in eager:
+        np.testing.assert_array_equal(lazy[name], eager[name], err_msg=name)
+    assert any(not np.array_equal(eager[n], v) for n, v in _initial().items()), "training moved nothing"
+
+
+def _initial():
+    ms.set_seed(0)
+    return {p.name: p.asnumpy() for p in StackNet().get_parameters()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_mint_adamw_refused_on_cpu(stage):
+    net = StackNet()
+    with pytest.raises(ValueError, match=r"optimizer mindspore\.mint\.optim\.adamw\.AdamW cannot run on CPU: MindSpore "
+                                         r"2\.10 registers no CPU kernel for its update op \[AdamW\]; on CPU use "
+                                         r"mint\.optim\.Adam with weight_decay .* or nn\.AdamWeightDecay"):
+        mindzero.prepare_train_network(net, mint.optim.AdamW(net.trainable_params()), zero_stage=stage)
+
+
+def test_mint_amsgrad_in_some_groups_refused():
+    net = StackNet()
+    ps = net.trainable_params()
+    opt = mint.optim.Adam([{"params": ps[:2], "amsgrad": True}, {"params": ps[2:]}])
+    with pytest.raises(ValueError, match=r"keeps \['max_exp_avg_sq'\] in some parameter groups only \(amsgrad set per "
+                                         r"group\); mindzero needs it in every group or none"):
+        mindzero.prepare_train_network(net, opt, zero_stage=1)
+
+
+def test_register_elementwise_accepts_torch_style_optimizers():
+    from mindspore.experimental.optim import Optimizer
+
+    from mindzero.engine.optim import ELEMENTWISE_OPTIMIZERS
+
+    class MySGD(Optimizer):
+        def __init__(self, params, lr):
+            super().__init__(params, {"lr": lr})
+
+    mindzero.register_elementwise_optimizer(MySGD)
+    try:
+        assert MySGD in ELEMENTWISE_OPTIMIZERS
+    finally:
+        ELEMENTWISE_OPTIMIZERS.discard(MySGD)
+    with pytest.raises(TypeError, match="cls must be a subclass of mindspore.nn.Optimizer or "
+                                        "mindspore.experimental.optim.Optimizer .*, got <class 'int'>"):
+        mindzero.register_elementwise_optimizer(int)
+
+
+def test_checkpoint_step_from_mint_counters(tmp_path):
+    """``save_checkpoint`` records the optimizer's own step: mint's Adam counts in ``state_step``, SGD in
+    ``step_t`` (nn optimizers in ``global_step``)."""
+    for kind in ("mint.optim.Adam", "mint.optim.SGD", "nn.Adam"):
+        net = StackNet()
+        step = mindzero.prepare_train_network(net, RELEASE_OPTIMIZERS[kind](net.trainable_params()), zero_stage=2)
+        for _ in range(3):
+            step(Tensor(np.ones((2, 48), np.float32)))
+        path = tmp_path / kind
+        mindzero.save_checkpoint(step, path)
+        assert json.loads((path / "COMPLETE").read_text())["step"] == 3, kind
