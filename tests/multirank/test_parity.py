@@ -160,6 +160,22 @@ def test_stage_equals_stage0(run, model, stage):
         assert_same_run(res.load(r, f"{model}-{stage}"), res.load(r, f"{model}-0"), f"{model} stage {stage} rank {r}")
 
 
+def test_prepare_releases_what_it_replaces(run):
+    """Every supported optimizer (nn and mint.optim), eager and lazy, with the caller still holding its network,
+    optimizer and train step: after prepare no replaced full parameter (stage 3) or full optimizer state
+    (stages 1 and 3) is alive on any rank, and the optimizer holds exactly the shard bytes of the plan (half
+    of the full bytes at 2 ranks)."""
+    n, res = run
+    for r in range(n):
+        got = res.json(r, "released.json")
+        assert len(got) == 8 * 2 * 2, sorted(got)
+        for key, c in got.items():
+            stage = int(key.rsplit("/", 1)[1])
+            assert c["states"] > 0 and c["states_alive"] == 0, (r, key, c)
+            assert c["params_alive"] == (0 if stage == 3 else c["params"]), (r, key, c)
+            assert c["opt_bytes"] == c["opt_shard_bytes"], (r, key, c)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_mint_optim_equals_reference_loop(run, stage):
     """``mindspore.mint.optim``: Adam (AMSGrad, two groups, weight decay) and SGD (Nesterov, weight decay; K=2

@@ -111,6 +111,16 @@ def check_collectives(world, out_dir):
     (out_dir / "collectives.json").write_text(json.dumps(result))
 
 
+def check_released(world, out_dir):
+    """Every supported optimizer, built eagerly and under lazy_init, prepared at stages 1 and 3 on this world:
+    what stays alive of the Parameters held before (:func:`tests.support.release.released`)."""
+    from tests.support.release import RELEASE_OPTIMIZERS, released
+
+    result = {f"{kind}/{'lazy' if lazy else 'eager'}/{stage}": released(kind, lazy, stage)
+              for kind in RELEASE_OPTIMIZERS for lazy in (False, True) for stage in (1, 3)}
+    (out_dir / "released.json").write_text(json.dumps(result, indent=1))
+
+
 def check_plan_mismatch(world, out_dir):
     """The last rank builds a network with one parameter reshaped: prepare must fail on every rank
     with a message naming the parameter, instead of deadlocking."""
@@ -135,6 +145,7 @@ def main():
     world, out_dir = worker.world, worker.rank_dir
     check_collectives(world, out_dir)
     check_plan_mismatch(world, out_dir)
+    check_released(world, out_dir)
     count_collectives(world, out_dir)
     count_unit_gathers(world, out_dir)
     memory = {}

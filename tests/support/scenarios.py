@@ -211,10 +211,13 @@ class CheckpointCase:
     full_path: str = None
     param_dtype: str = None
     async_save: bool = False
+    optimizer: str = ""  # a name of tests.support.models.OPTIMIZERS; "": momentum for the resnet, else adamw
 
-    @property
-    def optimizer(self) -> str:
-        return "momentum" if self.model == "resnet" else "adamw"
+    def __post_init__(self):
+        if not self.optimizer:
+            object.__setattr__(self, "optimizer", "momentum" if self.model == "resnet" else "adamw")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"checkpoint case {self.name!r}: optimizer {self.optimizer!r} is unknown")
 
 
 def cases_arg(cases) -> str:
