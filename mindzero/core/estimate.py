@@ -37,7 +37,9 @@ from .plan import ParamInfo, PartitionPlan, param_infos
 from .quant import GatherQuantization
 
 # per-parameter state tensors of each optimizer (as mindzero's memory report counts them)
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "sgd": 2, "momentum": 1}
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "sgd": 2, "momentum": 1,
+                    # mindspore.mint.optim: exp_avg and exp_avg_sq (AMSGrad: 3); SGD's momentum_buf
+                    "mint.adam": 2, "mint.adamw": 2, "mint.adam_amsgrad": 3, "mint.sgd": 1}
 
 
 def paper_formula(phi: int, stage: int, group_size: int, mixed_precision: bool = True, n_states: int = 2) -> dict:
@@ -115,9 +117,19 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, o
     out = expected_bytes(plan, policy, OPTIMIZER_STATES[key], gradient_accumulation, precision=precision, quant=quant)
     out["total"] = sum(out[k] for k in KINDS)
     phi = sum(math.prod(i.shape) for i in infos if i.optimized)
-    formula = paper_formula(phi, zero_stage, group_size, precision.enabled, OPTIMIZER_STATES[key])
-    formula["total"] = sum(formula.values())
-    out.update(phi=phi, formula=formula, stage=zero_stage, group_size=group_size)
+    formulas = both_formulas(phi, zero_stage, group_size, OPTIMIZER_STATES[key])
+    formula = formulas["mixed_precision" if precision.enabled else "fp32"]
+    out.update(phi=phi, formula=formula, formulas=formulas, stage=zero_stage, group_size=group_size)
+    return out
+
+
+def both_formulas(phi: int, stage: int, group_size: int, n_states: int = 2) -> dict:
+    """The fp32 and the mixed-precision formula side by side (:func:`paper_formula`), each with its ``total``:
+    ``{"fp32": {...}, "mixed_precision": {...}}``."""
+    out = {}
+    for key, mixed in (("fp32", False), ("mixed_precision", True)):
+        f = paper_formula(phi, stage, group_size, mixed, n_states)
+        out[key] = {**f, "total": sum(f.values())}
     return out
 
 
@@ -146,8 +158,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     shapes = [a.params] if a.params is not None else json.loads(open(a.shapes).read())
     rows = []
-    print("| stage | N | params MiB | grads MiB | optimizer MiB | total MiB | paper formula MiB | formula |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| stage | N | params MiB | grads MiB | optimizer MiB | total MiB | formula MiB | formula | other precision's "
+          "formula MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     names = {0: "16Φ", 1: "4Φ+12Φ/N", 2: "2Φ+14Φ/N", 3: "16Φ/N"} if a.mixed_precision else \
         {0: "16Φ", 1: "8Φ+12Φ/N", 2: "4Φ+16Φ/N", 3: "16Φ/N"}
     mib = 2 ** 20
@@ -157,7 +170,8 @@ def main(argv=None) -> int:
             rows.append({k: e[k] for k in ("stage", "group_size", "phi", "total", *KINDS)} | {"formula": e["formula"]})
             print(f"| {stage} | {n} | {e['parameters'] / mib:.1f} | {e['gradients'] / mib:.1f} | "
                   f"{e['optimizer_states'] / mib:.1f} | {e['total'] / mib:.1f} | {e['formula']['total'] / mib:.1f} | "
-                  f"{names.get(stage, '')} |")
+                  f"{names.get(stage, '')} | "
+                  f"{e['formulas']['fp32' if a.mixed_precision else 'mixed_precision']['total'] / mib:.1f} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -3,6 +3,7 @@ holds, next to the plan's) and :func:`plan_text` (the verbose log of ``prepare_t
 from __future__ import annotations
 
 from ..core.comm_plan import format_comm
+from ..core.estimate import both_formulas
 from ..core.memory import expected_bytes
 from .optim import optimizer_state_params
 
@@ -35,6 +36,17 @@ def memory_report(train_net) -> dict:
         "group_size": info.world.op_size,  # deprecated keys (a dict cannot warn): op_size, dp_size
         "replicas": info.world.dp_size,
     }
+
+
+def formulas_line(info, n_states: int) -> str:
+    """The fp32 and the mixed-precision formula of this stage, side by side, for the optimized parameters (with
+    gradient buffers: the formulas count them), saying which one this run follows."""
+    phi = sum(s.numel for s in info.plan if s.optimized)
+    both = both_formulas(phi, info.config.zero_stage, info.world.op_size, n_states)
+    this = "mixed precision" if info.precision.enabled else "fp32"
+    return (f"  formulas (Φ = {phi} optimized parameters, N = {info.world.op_size}, {n_states} states each): fp32 "
+            f"{both['fp32']['total'] / 2 ** 20:.3f} MiB, mixed precision (param_dtype) "
+            f"{both['mixed_precision']['total'] / 2 ** 20:.3f} MiB; this run: {this}")
 
 
 def _nbytes(tensor) -> int:
@@ -79,6 +91,7 @@ def plan_text(train_net) -> str:
                      f"{largest / mib:.3f} MiB)")
     for kind in ("parameters", "gradients", "optimizer_states"):
         lines.append(f"  {kind:<17} {report[kind] / mib:10.3f} MiB (plan {report['expected'][kind] / mib:.3f} MiB)")
+    lines.append(formulas_line(info, len(info.state_attrs)))
     lines.append(info.plan.summary())
     lines.append(format_comm(info.calls, info.real_calls if world.emulated else None))
     return "\n".join(lines)

@@ -108,3 +108,25 @@ def test_checkpoint_step_from_mint_counters(tmp_path):
         path = tmp_path / kind
         mindzero.save_checkpoint(step, path)
         assert json.loads((path / "COMPLETE").read_text())["step"] == 3, kind
+
+
+@pytest.mark.parametrize("kind", ["mint.optim.Adam", "mint.optim.SGD"])
+def test_mint_optim_with_param_dtype(kind):
+    """``param_dtype=float16`` with a mint optimizer: it updates fp32 masters (re-pointed at stage 0, shards from
+    stage 1), and every stage trains as stage 0, bit for bit (one process)."""
+    def train(stage):
+        ms.set_seed(0)
+        net = StackNet()
+        step = mindzero.prepare_train_network(net, RELEASE_OPTIMIZERS[kind](net.trainable_params()), zero_stage=stage,
+                                              param_dtype="float16", scale_sense=1024.0)
+        rng = np.random.RandomState(1)
+        losses = [float(step(Tensor(rng.randn(4, 48).astype(np.float32)))[0].asnumpy()) for _ in range(3)]
+        return losses, mindzero.gather_full_state_dict(step, masters=True)
+
+    ref_losses, ref = train(0)
+    assert all(v.dtype == np.float32 for v in ref.values())
+    for stage in (1, 3):
+        losses, got = train(stage)
+        assert losses == ref_losses, (stage, losses, ref_losses)
+        for name in ref:
+            np.testing.assert_array_equal(got[name], ref[name], err_msg=f"stage {stage} {name}")
