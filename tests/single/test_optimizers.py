@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import mindspore as ms
-from mindspore import Tensor, mint, nn
+from mindspore import Tensor, mint
 
 import mindzero
 from tests.support.release import RELEASE_OPTIMIZERS, StackNet, released
