@@ -38,6 +38,7 @@ from mindzero.checkpoint.live import complete_checkpoints, latest_checkpoint  # 
 from mindzero.launch.local import finish_rank  # noqa: E402
 from mindzero.comm import AllGather  # noqa: E402
 from mindzero.checkpoint.offline import merge_checkpoint  # noqa: E402
+from mindzero.core.estimate import both_formulas  # noqa: E402
 from gpt import GPT, CharTokenizer, LMLoss, batches, generate, init_params, make_corpus  # noqa: E402
 
 KINDS = ("parameters", "gradients", "optimizer_states")
@@ -232,6 +233,16 @@ def plot(curves, path: Path, title: str, uniform: float) -> None:
     plt.close(fig)
 
 
+def print_formulas(phi, n, log):
+    """Each stage's bytes per rank by the fp32 formula (what this example trains in; mindzero keeps a master
+    shard at stages 1-2) and by the mixed-precision one (``param_dtype=float16``), side by side."""
+    log(f"Formulas, Φ = {phi} trainable parameters, N = {n}, Adam (parameters, gradients and optimizer states a "
+        "rank holds during a step): " + "; ".join(
+            f"stage {s}: fp32 {f['fp32']['total'] / 2 ** 20:.2f} MiB, mixed precision "
+            f"{f['mixed_precision']['total'] / 2 ** 20:.2f} MiB" for s, f in
+            ((s, both_formulas(phi, s, n)) for s in range(4))))
+
+
 def print_table(results, n, vocab, log):
     first = next(iter(results.values()))
     ref = "plain DP" if "dp" in results else "stage " + str(next(iter(results)))
@@ -297,6 +308,7 @@ def main():
         write_json(out / "results.json", results)
         if len(results) > 1:
             print_table(results, world.world_size, tok.vocab_size, log)
+            print_formulas(sum(int(v.size) for v in ref["params"].values()), world.world_size, log)
             curves = [(f"stage {s}", json.loads((out / f"stage_{s}" / "history.json").read_text()))
                       for s in results if s != "dp"]
             plot(curves, out / "loss_all_stages.png", f"GPT on {world.world_size} ranks, ZeRO stages",
