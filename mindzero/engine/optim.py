@@ -155,7 +155,7 @@ def optimizer_states(optimizer) -> tuple:
 def _swap_references(optimizer, mapping: dict, sources) -> None:
     """Replace, by identity, every reference ``optimizer`` keeps to a key of ``mapping`` (``id(old)`` -> new
     Parameter) in its public lists, tuples and dicts (``init_params``, ``group_params``, ``param_groups`` and
-    the ParameterTuples in them, a depth of three), and drop every replaced Parameter from the clone records
+    the ParameterTuples in them, a depth of four), and drop every replaced Parameter from the clone records
     (``param_info.cloned_obj``) of ``sources`` (the Parameters it was built from) and of those it keeps:
     otherwise the replaced full tensor stays alive."""
 
@@ -177,7 +177,7 @@ def _swap_references(optimizer, mapping: dict, sources) -> None:
 
     for attr, value in list(vars(optimizer).items()):
         if not attr.startswith("_") and isinstance(value, (list, dict, tuple)) and not isinstance(value, ParameterTuple):
-            new = swap(value, 3)
+            new = swap(value, 4)  # init_params: {"params": [{"params": [...]}, ...]} (parameter groups)
             if new is not value:
                 object.__setattr__(optimizer, attr, new)
     # the Cell's record of Parameters set in list attributes (its duplicate-name check) holds them too

@@ -14,6 +14,7 @@ from mindzero.launch.local import msrun
 from tests.support.compare import (LOSS_NOISE, ON_CPU, RTOL, RTOL_FP16, RTOL_FP16_ACCUM, RTOL_FP16_VS_FP32, Results,
                                    assert_parity_checks, assert_same_run, rel_err)
 from tests.support.models import PARITY_MODELS
+from tests.support.release import RELEASE_OPTIMIZERS
 from tests.support.scenarios import AUTO_AMP_MODELS, UNITS, parity_scenarios
 from tests.support.tier import full_tier, worker_args
 
@@ -168,7 +169,7 @@ def test_prepare_releases_what_it_replaces(run):
     n, res = run
     for r in range(n):
         got = res.json(r, "released.json")
-        assert len(got) == 8 * 2 * 2, sorted(got)
+        assert len(got) == len(RELEASE_OPTIMIZERS) * 2 * 2, sorted(got)
         for key, c in got.items():
             stage = int(key.rsplit("/", 1)[1])
             assert c["states"] > 0 and c["states_alive"] == 0, (r, key, c)

@@ -14,6 +14,9 @@ import mindzero
 RELEASE_OPTIMIZERS = {
     "nn.Adam": lambda ps: nn.Adam(ps, 1e-3),
     "nn.Adam-amsgrad": lambda ps: nn.Adam(ps, 1e-3, use_amsgrad=True),
+    # groups: init_params then holds the group dicts, each with its own parameter list
+    "nn.Adam-groups": lambda ps: nn.Adam([{"params": [p for p in ps if "bias" not in p.name], "weight_decay": 0.01},
+                                          {"params": [p for p in ps if "bias" in p.name]}], 1e-3),
     "nn.AdamWeightDecay-groups": lambda ps: nn.AdamWeightDecay(
         [{"params": [p for p in ps if "bias" not in p.name], "weight_decay": 0.01},
          {"params": [p for p in ps if "bias" in p.name]}], 1e-3),
