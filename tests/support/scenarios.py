@@ -108,7 +108,7 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
     :data:`FULL_TIER_ONLY`). 2 ranks run the full matrix. 4 ranks (to keep the suite's time) run
     every model at every stage, accumulation at every stage (the memory accounting) and ``mp-accum``
     (accumulation, clipping and EMA in fp16) at every stage, but clipping, forced overflow, EMA, comm_fusion and
-    the mixed net in fp16 at stages 0 and 3 only, offload at stage 3, gpt and resnet in fp16 at stages 0 and 3
+    the mixed net in fp16 and the mint.optim rows at stages 0 and 3 only, offload at stage 3, gpt and resnet in fp16 at stages 0 and 3
     (stage 3: its own fp16 code path: fp16 gathers, reduce_dtype in the gather's backward)."""
     full = world_size == 2
     some = (0, 1, 2, 3) if full else (0, 3)
@@ -158,7 +158,7 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
     # MindSpore's torch-style optimizers against the plain-DP reference loop (tests.support.worker.ReferenceStep):
     # Adam with AMSGrad and two groups; SGD with Nesterov momentum, accumulation and clipping on the tied GPT (not
     # the awkward net: mint.optim.SGD itself fails to compile on its 0-d parameter, "For 'Assign' ... dimension")
-    for stage in ("dp", 0, 1, 2, 3):
+    for stage in ("dp", *some):  # (4 ranks: stages 0 and 3, as the other features)
         out.append(Scenario(f"mint-adam-{stage}", "mixed", "mint_adam", stage))
         out.append(Scenario(f"mint-sgd-{stage}", "gpt", "mint_sgd", stage,
                             {**CLIP, "gradient_accumulation_steps": 2}))
