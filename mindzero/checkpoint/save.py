@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..engine.optim import optimizer_step
 from .format import COMPLETE, FORMATS, SplitInfo, fsync_dir, split_info_name, write_atomic, write_marker
 from .live import CheckpointError, _Barrier, live_tensors, trainer_state_name
-from ..engine.optim import optimizer_step
 from .tensor_io import crc32_array, open_writer
 
 

@@ -86,7 +86,8 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, o
         network_or_param_shapes: a Cell (its parameters, dtypes and opt-outs), a ``{name: shape}``
             dict or a list of shapes (dtype float32).
         zero_stage: 0-3. group_size: ranks the state is sharded over (the op group).
-        optimizer: ``adamw``, ``adam``, ``sgd``, ``momentum`` (sets the state tensors per parameter).
+        optimizer: ``adamw``, ``adam``, ``sgd``, ``momentum``, ``lamb``, or mint.optim's ``mint.adam``,
+            ``mint.adamw``, ``mint.adam_amsgrad``, ``mint.sgd`` (sets the state tensors per parameter).
         gradient_accumulation: count the persistent gradient buffers (``gradient_accumulation_steps > 1``).
         mixed_precision: shorthand for ``param_dtype="float16"``; ``param_dtype``, ``reduce_dtype``: the
             mixed-precision policy of ``prepare_train_network`` (fp32 masters and moments).
@@ -95,7 +96,9 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, o
 
     Returns:
         ``{"parameters", "gradients", "optimizer_states", "total": int, "phi": int,
-        "formula": {kind: float, "total": float}, ...}`` (also ``optimizer_moments``, ``master_shards``).
+        "formula": {kind: float, "total": float}, "formulas": {"fp32": {...}, "mixed_precision": {...}}, ...}``
+        (also ``optimizer_moments``, ``master_shards``): ``formula`` is the one of this precision, ``formulas``
+        both side by side.
 
     Raises:
         ValueError: a bad stage, group size, optimizer or shape (the message names it).

@@ -79,3 +79,23 @@ def test_cli_runs_without_mindspore():
     code = "import sys; from mindzero.core.estimate import main; main(['--params', '1000']); print('mindspore' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip().endswith("False"), res.stdout
+
+
+@pytest.mark.parametrize("stage, fp32, mixed", [(0, 16, 16), (1, 8 + 12 / 4, 4 + 12 / 4), (2, 4 + 16 / 4, 2 + 14 / 4),
+                                                (3, 16 / 4, 16 / 4)])
+def test_both_formulas_side_by_side(stage, fp32, mixed):
+    """fp32 (mindzero's, with the stage 1-2 master shard) and the paper's mixed-precision bytes per parameter,
+    Adam, N = 4; ``formula`` is the one of the run's precision."""
+    phi = 1000
+    e = estimate_memory([phi], stage, 4, "adam")
+    assert e["formulas"]["fp32"]["total"] == pytest.approx(fp32 * phi)
+    assert e["formulas"]["mixed_precision"]["total"] == pytest.approx(mixed * phi)
+    assert e["formula"] == e["formulas"]["fp32"]
+    assert estimate_memory([phi], stage, 4, "adam", param_dtype="float16")["formula"] == e["formulas"]["mixed_precision"]
+
+
+@pytest.mark.parametrize("optimizer, states", [("mint.adam", 2), ("mint.adam_amsgrad", 3), ("mint.sgd", 1)])
+def test_mint_optimizer_states(optimizer, states):
+    """mint.optim's state counts: Adam's exp_avg and exp_avg_sq (AMSGrad adds max_exp_avg_sq), SGD's momentum_buf."""
+    e = estimate_memory([1000], 0, 2, optimizer, gradient_accumulation=False)
+    assert e["optimizer_states"] == 4 * 1000 * states
