@@ -18,7 +18,6 @@ tensors go back to the OS and RSS measures what is live.
 """
 import argparse
 import contextlib
-import ctypes
 import gc
 import json
 import sys
@@ -28,26 +27,18 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from zero_bench_worker import reset_peak, status_kib  # noqa: E402  (this script's folder is on sys.path)
 
 MIB = 2 ** 20
 
 
-def status_kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def settle() -> int:
-    """Collect garbage and give freed heap back to the OS; the RSS (KiB) after."""
+    """Collect garbage and give freed heap back to the OS (:func:`mindzero.release_host_memory`); the RSS
+    (KiB) after."""
+    from mindzero.launch.runtime import release_host_memory
+
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    release_host_memory()
     return status_kib("VmRSS")
 
 

@@ -48,18 +48,19 @@ def status_kib(field: str) -> int:
     raise KeyError(field)
 
 
+def reset_peak() -> None:
+    """Start a new peak: ``VmHWM`` becomes the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 class Phases:
     """RSS at the end of each phase and the peak during it (VmHWM reset at each phase's start)."""
 
     def __init__(self):
         self.rows = []
         self.start = time.perf_counter()
-        self._reset()
-
-    @staticmethod
-    def _reset():
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        reset_peak()
 
     def end(self, name: str) -> None:
         now = time.perf_counter()
@@ -68,7 +69,7 @@ class Phases:
         print(f"phase {name}: rss {self.rows[-1]['rss_kib'] / 1024:.0f} MiB, peak {self.rows[-1]['peak_kib'] / 1024:.0f}"
               f" MiB, {now - self.start:.1f}s", flush=True)
         self.start = now
-        self._reset()
+        reset_peak()
 
 
 def parse_args():

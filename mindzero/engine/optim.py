@@ -89,7 +89,7 @@ def check_optimizer(optimizer, network_params: dict, sharding: bool, device: str
     if not sharding:
         return
     if cls not in ELEMENTWISE_OPTIMIZERS:
-        names = sorted(c.__name__ if c.__module__.startswith("mindspore.nn") else f"mint.optim.{c.__name__}"
+        names = sorted(f"mint.optim.{c.__name__}" if c.__module__.startswith("mindspore.mint") else c.__name__
                        for c in ELEMENTWISE_OPTIMIZERS)
         raise ValueError(f"optimizer {cls.__name__} cannot be sharded faithfully by zero_stage 1-3: mindzero shards "
                          f"element-wise optimizers only ({', '.join(names)}); use zero_stage=0, or declare the class "

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import mindspore as ms
-from mindspore import Tensor, mint
+from mindspore import Tensor, mint, nn
 
 import mindzero
 from tests.support.release import RELEASE_OPTIMIZERS, StackNet, released
@@ -90,6 +90,9 @@ def test_register_elementwise_accepts_torch_style_optimizers():
     mindzero.register_elementwise_optimizer(MySGD)
     try:
         assert MySGD in ELEMENTWISE_OPTIMIZERS
+        net = StackNet()
+        with pytest.raises(ValueError, match=r"element-wise optimizers only \(.*Momentum, MySGD, SGD, mint\.optim\.Adam,"):
+            mindzero.prepare_train_network(net, nn.Lamb(net.trainable_params(), 1e-3), zero_stage=1)
     finally:
         ELEMENTWISE_OPTIMIZERS.discard(MySGD)
     with pytest.raises(TypeError, match="cls must be a subclass of mindspore.nn.Optimizer or "
