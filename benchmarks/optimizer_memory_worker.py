@@ -35,7 +35,7 @@ MIB = 2 ** 20
 def settle() -> int:
     """Collect garbage and give freed heap back to the OS (:func:`mindzero.release_host_memory`); the RSS
     (KiB) after."""
-    from mindzero.launch.runtime import release_host_memory
+    from mindzero.core.host import release_host_memory
 
     gc.collect()
     release_host_memory()
@@ -139,7 +139,7 @@ def main():
     ap.add_argument("--optimizers", default="nn.Adam")
     ap.add_argument("--layers", type=int, default=20)
     ap.add_argument("--width", type=int, default=2000)
-    from mindzero.launch.local import start_worker
+    from mindzero.launch.worker import start_worker
 
     worker = start_worker(ap)
     result = tutorial(worker.args, worker.world) if worker.args.job == "tutorial" else matrix(worker.args, worker.world)

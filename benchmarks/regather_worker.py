@@ -25,7 +25,7 @@ def main():
     from mindspore import Tensor, nn, ops
 
     import mindzero
-    from mindzero.launch.local import finish_rank
+    from mindzero.launch.worker import finish_rank
 
     world = mindzero.start_data_parallel()
     dim, layers = a.dim, a.layers

@@ -26,7 +26,7 @@ def main():
     from mindspore import Tensor
 
     import mindzero
-    from mindzero.launch.local import finish_rank
+    from mindzero.launch.worker import finish_rank
 
     world = mindzero.start_data_parallel()
     net, opt = build(a, lazy=True)

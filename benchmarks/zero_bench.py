@@ -22,7 +22,7 @@ Per configuration and world size (rank 0's numbers; every rank's are in the JSON
 
 Writes ``results.json``, ``results.md`` (tables and the goals of issue 11) and ``zero_bench.png``,
 ``zero_bench_timeline.png`` under ``--out``. Workers run under ``MALLOC_MMAP_THRESHOLD_=1048576`` (set
-by ``mindzero.local_launch``): freed large buffers go back to the OS, so RSS measures what is live.
+by ``mindzero.launch.local``): freed large buffers go back to the OS, so RSS measures what is live.
 """
 import argparse
 import json

@@ -247,7 +247,7 @@ def main():
         result["comm_real"] = summarize(train.zero_info.real_calls)
     out = Path(a.out)
     (out / f"rank_{world.world_rank}.json").write_text(json.dumps(result, indent=1))
-    from mindzero.launch.local import finish_rank
+    from mindzero.launch.worker import finish_rank
 
     finish_rank(out, world.world_rank)  # the launcher waits for it
     if a.config != "dp" and world.world_rank == 0:  # after the measurements: building the text costs memory too

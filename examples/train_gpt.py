@@ -1,7 +1,7 @@
 """Train a small GPT with mindzero: YAML config, periodic checkpoints, resume, merged model, generation.
 
 Launch on 2 CPU ranks (``scripts/run_example.sh`` runs the stages demo):
-    python -m mindzero.local_launch -n 2 --out runs/gpt_stage2 examples/train_gpt.py \\
+    python -m mindzero.launch.local -n 2 --out runs/gpt_stage2 examples/train_gpt.py \\
         --config examples/configs/gpt_stage2.yaml
 or with msrun / mpirun directly (see docs/launch.md):
     msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --log_dir=logs --join=True \\
@@ -35,7 +35,7 @@ from mindspore import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mindzero  # noqa: E402
 from mindzero.checkpoint.live import complete_checkpoints, latest_checkpoint  # noqa: E402
-from mindzero.launch.local import finish_rank  # noqa: E402
+from mindzero.launch.worker import finish_rank  # noqa: E402
 from mindzero.comm import AllGather  # noqa: E402
 from mindzero.checkpoint.offline import merge_checkpoint  # noqa: E402
 from mindzero.core.estimate import both_formulas  # noqa: E402
@@ -313,7 +313,7 @@ def main():
                       for s in results if s != "dp"]
             plot(curves, out / "loss_all_stages.png", f"GPT on {world.world_size} ranks, ZeRO stages",
                  np.log(tok.vocab_size))
-    finish_rank(out, world.world_rank)  # what mindzero.local_launch waits for
+    finish_rank(out, world.world_rank)  # what mindzero.launch.local waits for
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 ``LossMonitor`` and ``TimeMonitor``, ``mindzero.ZeroCheckpoint`` (a restarted run resumes), and the
 ZeRO settings read from the config file by ``mindzero.load_config``.
 
-    python -m mindzero.local_launch -n 2 --out runs/gpt_model examples/train_with_model.py \\
+    python -m mindzero.launch.local -n 2 --out runs/gpt_model examples/train_with_model.py \\
         --config examples/configs/gpt_model.yaml
 or with msrun directly (docs/launch.md). Run it again with the same ``--out`` and it continues from the
 newest complete checkpoint in ``OUT/checkpoints``; at the end rank 0 merges the newest checkpoint into
@@ -21,7 +21,7 @@ from mindspore.train import Callback, LossMonitor, Model, TimeMonitor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mindzero  # noqa: E402
-from mindzero.launch.local import finish_rank  # noqa: E402
+from mindzero.launch.worker import finish_rank  # noqa: E402
 from gpt import GPT, CharTokenizer, LMLoss, init_params, make_corpus  # noqa: E402
 
 
@@ -86,7 +86,7 @@ def main():
         run = dict(epochs=epochs, initial_epoch=initial_epoch, log_every=t["log_every"], stop_after=args.stop_after,
                    out=out, uniform=np.log(tok.vocab_size))
         train(train_net, ckpt, data, run, log)
-    finish_rank(out, world.world_rank)  # what mindzero.local_launch waits for
+    finish_rank(out, world.world_rank)  # what mindzero.launch.local waits for
 
 
 def train(train_net, ckpt, data, run, log):

@@ -6,5 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 rm -rf runs/stages_demo
-exec .venv/bin/python -m mindzero.local_launch -n 2 --timeout 1800 --out runs/stages_demo \
+exec .venv/bin/python -m mindzero.launch.local -n 2 --timeout 1800 --out runs/stages_demo \
   examples/train_gpt.py --config examples/configs/stages_demo.yaml "$@"

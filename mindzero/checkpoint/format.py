@@ -29,7 +29,7 @@ and ``rank`` this file's shard index in it (``SplitInfo.op_size`` / ``op_rank`` 
 hybrid checkpoint is a ``group_size``-way checkpoint: it merges, resumes with any number
 of replicas, and reshards like any other.
 
-Pure Python (no MindSpore): the merge and reshard tools use it with :mod:`mindzero.plan`.
+Pure Python (no MindSpore): the merge and reshard tools use it with :mod:`mindzero.core.plan`.
 """
 from __future__ import annotations
 
@@ -43,7 +43,6 @@ from typing import Optional
 from ..core.config import CHECKPOINT_FORMATS as FORMATS
 from ..core.checks import is_int
 from ..core.config import stage_policy
-from ..core.deprecation import renamed_property
 from ..core.plan import is_per_rank, valid_elements
 from .tensor_io import crc32_bytes
 
@@ -84,7 +83,7 @@ class TensorEntry:
 
     @property
     def per_rank(self) -> bool:
-        """A parameter each rank keeps its own value of (:func:`mindzero.plan.is_per_rank`)."""
+        """A parameter each rank keeps its own value of (:func:`mindzero.core.plan.is_per_rank`)."""
         return self.kind == "parameter" and is_per_rank(self.replicated_reason)
 
 
@@ -105,11 +104,6 @@ class SplitInfo:
     dp_size: int = 1  # hybrid sharding: copies of the op group in the run (JSON "replicas")
     dp_rank: int = 0  # which copy wrote these shards: always 0, the others hold the same ones (JSON "replica")
     format_version: int = FORMAT_VERSION
-
-    group_size = renamed_property("group_size", "op_size", "ranks in the op group")
-    rank = renamed_property("rank", "op_rank", "the shard index in the op group")
-    replicas = renamed_property("replicas", "dp_size")
-    replica = renamed_property("replica", "dp_rank")
 
     def to_json(self) -> str:
         d = {_JSON_KEYS.get(k, k): v for k, v in asdict(self).items()}
@@ -178,19 +172,19 @@ class SplitInfo:
         return {t.name: t for t in self.tensors}
 
 
-def placement(kind: str, stage: int, plan_sharded: bool, per_rank: bool, rank: int, fmt: str):
+def placement(kind: str, stage: int, plan_sharded: bool, per_rank: bool, op_rank: int, fmt: str):
     """Where one tensor lives in a checkpoint of ``stage``: ``(stored sharded, file)``.
 
     The one rule, used by saving and by resharding: a parameter (and its EMA) is stored in shards at stage 3 and
     an optimizer state (and a master value) from stage 1 on, when the plan shards its parameter; shards and per-rank
-    buffers go to the rank's own file; identical replicated tensors are written once, by rank 0,
+    buffers go to op rank ``op_rank``'s own file (``rank_<op_rank>``); identical replicated tensors are written once, by rank 0,
     into ``network.<fmt>`` (full network parameters, stages 0-2) or ``rank_0.<fmt>``.
     """
     policy = stage_policy(stage)
     sharded = plan_sharded and ((kind in ("parameter", "ema") and policy.shard_parameters)
                                 or (kind in ("optimizer_state", "master") and policy.shard_optimizer_states))
     if sharded or per_rank:
-        return sharded, f"rank_{rank}.{fmt}"
+        return sharded, f"rank_{op_rank}.{fmt}"
     if kind == "parameter" and not policy.shard_parameters:
         return False, f"network.{fmt}"
     return False, f"rank_0.{fmt}"
@@ -201,8 +195,8 @@ def entry_at(name: str, kind: str, shape, dtype: str, spec, stage: int, fmt: str
     ``spec`` is its parameter's :class:`mindzero.core.plan.ShardSpec` for the rank that stores it (``None`` for
     scalars, which rank 0 stores)."""
     per_rank = kind == "parameter" and spec is not None and spec.per_rank
-    rank = spec.op_rank if spec is not None else 0
-    sharded, file = placement(kind, stage, bool(spec and spec.sharded), per_rank, rank, fmt)
+    op_rank = spec.op_rank if spec is not None else 0
+    sharded, file = placement(kind, stage, bool(spec and spec.sharded), per_rank, op_rank, fmt)
     shape = tuple(shape)
     return TensorEntry(name, kind, spec.name if spec else "", shape, dtype, sharded, spec.reason if spec else "",
                        spec.shard_size if sharded else math.prod(shape), spec.padding if sharded else 0,

@@ -7,7 +7,7 @@ A checkpoint is a directory written by all ranks together:
   sharded optimizer states) and its own buffers (e.g. BatchNorm statistics); rank 0's
   file also holds the replicated tensors (step counters, loss scale, replicated states);
 * ``network.<ext>``: stages 0-2, the full network parameters, written once by rank 0;
-* ``params_split_info_<r>.json``: the schema of :mod:`mindzero.split_info`, enough to rebuild
+* ``params_split_info_<r>.json``: the schema of :mod:`mindzero.checkpoint.format`, enough to rebuild
   every full tensor without model code;
 * ``COMPLETE``: written last: every file's size, the JSON files' CRC-32, its own checksum.
 
@@ -47,7 +47,7 @@ class CheckpointError(ValueError):
 def live_tensors(train_net, fmt: str = "ckpt") -> list:
     """``[(TensorEntry, Parameter)]`` for every tensor this rank's checkpoint holds, in a fixed order:
     network parameters (plan order), optimizer states, then scalars (step counters, loss scale).
-    Where each lives follows :func:`mindzero.split_info.placement`."""
+    Where each lives follows :func:`mindzero.checkpoint.format.placement`."""
     info = train_net.zero_info
     stage = info.config.zero_stage
     out = []
@@ -96,13 +96,14 @@ class _Barrier:
         return int(round(float(self.cell(Tensor(np.array([float(flag)], np.float32))).asnumpy()[0])))
 
 
-def trainer_state_name(rank: int) -> str:
-    return f"trainer_state_{rank}.json"
+def trainer_state_name(world_rank: int) -> str:
+    """The file of world rank ``world_rank``'s ``trainer_state`` (every rank writes its own)."""
+    return f"trainer_state_{world_rank}.json"
 
 
-def read_trainer_state(ckpt_dir, rank: int = 0) -> dict:
-    """The ``trainer_state`` world rank ``rank`` saved with a checkpoint (``{}`` if none was)."""
-    path = Path(ckpt_dir) / trainer_state_name(rank)
+def read_trainer_state(ckpt_dir, world_rank: int = 0) -> dict:
+    """The ``trainer_state`` world rank ``world_rank`` saved with a checkpoint (``{}`` if none was)."""
+    path = Path(ckpt_dir) / trainer_state_name(world_rank)
     if not (Path(ckpt_dir) / COMPLETE).is_file():
         raise CheckpointError(f"{ckpt_dir}: not a complete mindzero checkpoint (no {COMPLETE} marker)")
     if not path.is_file():

@@ -11,7 +11,7 @@ Every read goes through :class:`mindzero.checkpoint.source.Source`; the command 
 :mod:`mindzero.checkpoint.cli`.
 
 Everything is validated before anything is written: all ranks' split-info files present and
-agreeing (:func:`mindzero.split_info.read_all`), every file present and not truncated, every
+agreeing (:func:`mindzero.checkpoint.format.read_all`), every file present and not truncated, every
 piece of the expected shape. Output is written under a temporary name and renamed at the end.
 Peak memory is about one full tensor plus file buffers.
 """

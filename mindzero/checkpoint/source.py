@@ -94,10 +94,10 @@ class Source:
                                  f"split info recorded {want} (the file was altered or damaged)")
         return value
 
-    def entry(self, name: str, rank: int = 0) -> TensorEntry:
-        if name not in self._by_name[rank]:
+    def entry(self, name: str, op_rank: int = 0) -> TensorEntry:
+        if name not in self._by_name[op_rank]:
             raise self.error(f"{self.dir}: has no tensor {name!r}")
-        return self._by_name[rank][name]
+        return self._by_name[op_rank][name]
 
     def has(self, name: str) -> bool:
         return name in self._by_name[0]
@@ -122,25 +122,25 @@ class Source:
         first = self.entry(name)
         return self.window(name, 0, first.numel).reshape(first.shape)
 
-    def rank_piece(self, name: str, rank: int) -> np.ndarray:
-        """Rank ``rank``'s own copy of a tensor stored per rank (e.g. BatchNorm statistics)."""
-        t = self.entry(name, rank)
+    def rank_piece(self, name: str, op_rank: int) -> np.ndarray:
+        """Op rank ``op_rank``'s own copy of a tensor stored per rank (e.g. BatchNorm statistics)."""
+        t = self.entry(name, op_rank)
         return self.read_piece(t).reshape(t.shape)
 
-    def piece_for(self, target: TensorEntry, rank: int, full=None) -> np.ndarray:
-        """What rank ``rank`` of another layout stores for ``target`` (an entry of that layout): the one rule
+    def piece_for(self, target: TensorEntry, op_rank: int, full=None) -> np.ndarray:
+        """What op rank ``op_rank`` of another layout stores for ``target`` (an entry of that layout): the one rule
         behind both :func:`reshard_checkpoint` and loading at another world size or stage
         (:func:`mindzero.load_checkpoint`). The same layout reads the stored piece as it is; a shard is
         cut from the full tensor and zero-padded; a per-rank buffer (e.g. BatchNorm statistics) comes from
-        old rank ``rank``, or rank 0 when the old run had fewer ranks. ``full``: the full tensor if the caller
+        old op rank ``op_rank``, or op rank 0 when the old run had fewer ranks. ``full``: the full tensor if the caller
         already holds it."""
-        if rank < self.op_size:
-            old = self.entry(target.name, rank)
+        if op_rank < self.op_size:
+            old = self.entry(target.name, op_rank)
             if ((old.sharded, old.offset, old.shard_size) == (target.sharded, target.offset, target.shard_size)
                     and old.file.startswith("rank_") == target.file.startswith("rank_")):
                 return self.read_piece(old).reshape((old.shard_size,) if old.sharded else old.shape)
         if target.per_rank:
-            return self.rank_piece(target.name, rank if rank < self.op_size else 0)
+            return self.rank_piece(target.name, op_rank if op_rank < self.op_size else 0)
         if not target.sharded:
             return full if full is not None else self.full(target.name)
         if full is not None:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.checksum import crc32_array, crc32_bytes  # noqa: F401 (the writers' checksum)
+
 # MindSpore tensor_type name / safetensors dtype / numpy dtype (bfloat16 as its bit pattern)
 _DTYPES = [
     ("Float32", "F32", "float32", np.float32), ("Float16", "F16", "float16", np.float16),
@@ -244,17 +246,6 @@ class SafetensorsReader:
             f.seek(self.base + begin)
             raw = f.read(end - begin)
         return np.frombuffer(raw, dtype=np_dtype(dtype)).reshape(shape).copy()
-
-
-def crc32_bytes(data) -> int:
-    """CRC-32 of a bytes-like object (zlib's, as in zip and PNG): the one checksum of mindzero's checkpoints
-    (pieces, JSON files, the marker) and of the cross-rank initial-value check."""
-    return zlib.crc32(data) & 0xFFFFFFFF
-
-
-def crc32_array(array: np.ndarray) -> int:
-    """CRC-32 of an array's raw bytes in C order (what a writer stores for it)."""
-    return crc32_bytes(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
 
 
 def open_reader(path):

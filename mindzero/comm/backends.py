@@ -34,7 +34,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from ..core.topology import COLLECTIVES, EMULATED, SINGLE, SUBSTITUTE, World
-from ..engine.kernels import MAP, as_rows, flat_concat, own_part, own_shard
+from .layout import MAP, as_rows, flat_concat, own_part, own_shard
 from .quantize import QuantizedGather, bytes_to_words, words_to_bytes
 from .shard_gather import GradientPort, UnitGather, make_shard_gather
 

@@ -9,7 +9,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from ..core.topology import World
-from ..engine.kernels import MAP, flat_concat, flatten, reshape_as
+from .layout import MAP, flat_concat, flatten, reshape_as
 from .backends import backend_of
 
 
@@ -125,7 +125,7 @@ class FusedAllGather(nn.Cell):
 def shard_gather(world: World, numel: int, padding: int, reduce_dtype=None):
     """The stage-3 gather primitive of a parameter of ``numel`` elements padded by ``padding``, and the rows
     (world ranks) of this rank's op group its reader keeps (``None``: all); ``(None, None)`` in a world of
-    one rank. See :meth:`mindzero.comm.backends.Backend.shard_gather`."""
+    one rank. See ``shard_gather`` of :class:`mindzero.comm.backends.Backend`."""
     return backend_of(world).shard_gather(numel, padding, reduce_dtype)
 
 

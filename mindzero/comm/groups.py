@@ -12,7 +12,6 @@ import os
 import mindspore as ms
 
 from ..core.config import GroupPolicy
-from ..core.deprecation import warn_renamed
 from ..core.topology import Group, HybridLayout, LayoutError, World
 from .cells import AllGather, shared_cell
 
@@ -45,20 +44,15 @@ def group_ranks(name: str) -> tuple:
     return tuple(int(r) for r in get_process_group_ranks(name))
 
 
-def create_hybrid_groups(op_size: int = None, prefix: str = "mindzero", *, shard_size: int = None) -> tuple:
+def create_hybrid_groups(op_size: int, prefix: str = "mindzero") -> tuple:
     """Create the contiguous hybrid layout's groups and return ``(optimizer_parallel_group, dp_group)``
-    for this rank: ranks ``[k*G, (k+1)*G)`` shard together, ``G = op_size`` (``shard_size=``: its deprecated
-    name).
+    for this rank: ranks ``[k*G, (k+1)*G)`` shard together, ``G = op_size``.
 
     Every rank must call it (after ``init()``). On CPU MindSpore creates the groups but runs no
     collective on them; mindzero's communication module then emulates them (docs/hybrid.md).
     """
     from mindspore.communication import create_group
 
-    if shard_size is not None:
-        warn_renamed("create_hybrid_groups(shard_size=)", "create_hybrid_groups(op_size=)",
-                     "ranks per op group, not elements per shard")
-        op_size = shard_size if op_size is None else op_size
     world = current_world()
     layout = HybridLayout.contiguous(world.world_size, op_size)
     op, dp = layout.op_group_of(world.world_rank), layout.dp_group_of(world.world_rank)
@@ -77,7 +71,7 @@ def resolve_world(optimizer_parallel_group, dp_group) -> World:
 
     ``None`` (or the world group's name) for both: shard over the whole world. A sub-group as
     ``optimizer_parallel_group`` needs a ``dp_group`` (mindone's rule); together they must cut the
-    world into replicas of equal op groups (:class:`mindzero.layout.HybridLayout`). Every rank
+    world into replicas of equal op groups (:class:`mindzero.core.topology.HybridLayout`). Every rank
     all-gathers its view of the layout (2N numbers), so a layout that is wrong anywhere fails on
     every rank with the same message instead of deadlocking.
 

@@ -1,6 +1,6 @@
 """The stage-3 gather: a primitive whose forward all-gathers a parameter's shards and whose registered
 gradient reduces the incoming gradient into this rank's shard (the backend decides how:
-:meth:`mindzero.comm.backends.Backend.shard_gather`); and the two gathers whose values travel without a
+``shard_gather`` of :class:`mindzero.comm.backends.Backend`); and the two gathers whose values travel without a
 gradient, the shard taking its gradient through a :class:`GradientPort`: the quantized gather
 (:mod:`mindzero.comm.quantize`) and :class:`UnitGather` (several parameters in one all-gather).
 

@@ -21,18 +21,10 @@ from dataclasses import dataclass, replace
 
 from .config import FusionConfig, StagePolicy
 from .quant import payload_bytes
-from .deprecation import warn_renamed
-from .topology import COLLECTIVES, EMULATED, World
+from .topology import COLLECTIVES, World
 from .state import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommBucket, ParamState, ZeroState
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
-
-
-def CommShape(group_size: int, world_size: int, emulated: bool):  # noqa: N802 (the old class's name)
-    """Deprecated: the :class:`~mindzero.layout.World` of ``World.of_sizes``, which every function here takes."""
-    warn_renamed("CommShape(group_size, world_size, emulated)",
-                 "World.of_sizes(op_size, world_size, backend)", "the topology has one representation")
-    return World.of_sizes(group_size, world_size, EMULATED if emulated else COLLECTIVES)
 
 
 @dataclass(frozen=True)
@@ -110,11 +102,11 @@ def all_reduce_calls(specs, world: World, phase: str) -> list:
 
 
 def step_buckets(params, policy: StagePolicy, fusion: FusionConfig) -> tuple:
-    """``(micro, boundary, gather)``: the :class:`~mindzero.state.CommBucket` tuples of one step, the one
+    """``(micro, boundary, gather)``: the :class:`~mindzero.core.state.CommBucket` tuples of one step, the one
     statement of which collective moves which tensor at each stage (the train step builds its reductions
     from them, :func:`step_calls` counts them).
 
-    ``params``: :class:`~mindzero.state.ParamState` per optimized parameter (optimizer order). Stage 2
+    ``params``: :class:`~mindzero.core.state.ParamState` per optimized parameter (optimizer order). Stage 2
     reduce-scatters the sharded gradients every micro-step, stage 1 at the accumulation boundary; stage 3
     reduce-scatters each where it is read (:class:`mindzero.engine.stage3.GatherFull`, no bucket); every stage
     all-reduces the rest (stage 0: every gradient) at the boundary; stages 1-2 all-gather the updated
@@ -139,8 +131,17 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig) -> tuple:
     return micro, boundary, gather
 
 
+def state_calls(state) -> tuple:
+    """``(calls, real_calls)`` of ``state``: :func:`step_calls` as its world runs them, and with real
+    reduce-scatter and sub-group collectives (what GPU/Ascend run; the same tuple where the world has them)."""
+    calls = tuple(step_calls(state, state.world))
+    if not state.world.emulated:
+        return calls, calls
+    return calls, tuple(step_calls(state, state.world.with_backend(COLLECTIVES)))
+
+
 def step_calls(state, world: World) -> list:
-    """Every collective of one optimizer step of ``state`` (a :class:`~mindzero.state.ZeroState`: its
+    """Every collective of one optimizer step of ``state`` (a :class:`~mindzero.core.state.ZeroState`: its
     parameters, buckets and config), in issue order, as ``world`` (its groups and backend) runs them."""
     config = state.config
     micro, boundary, update = [], [], []
@@ -190,8 +191,8 @@ def step_calls(state, world: World) -> list:
 
 
 def plan_state(specs, config, fusion: FusionConfig = FusionConfig(), regather: bool = True, reduce_specs=None):
-    """A :class:`~mindzero.state.ZeroState` of ``specs`` (the optimizer's parameters' plan entries, held
-    dtype) under ``config`` (a :class:`~mindzero.config.ZeroConfig`), with its buckets, without MindSpore:
+    """A :class:`~mindzero.core.state.ZeroState` of ``specs`` (the optimizer's parameters' plan entries, held
+    dtype) under ``config`` (a :class:`~mindzero.core.config.ZeroConfig`), with its buckets, without MindSpore:
     what :func:`step_calls` needs, for the unit tests and the benchmark's plain-DP accounting
     (``prepare_train_network`` fills the same records with the real tensors)."""
     policy = config.policy

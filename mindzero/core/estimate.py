@@ -1,6 +1,6 @@
 """Per-rank memory before step 1: ``estimate_memory`` and the ``mindzero-estimate`` tool (pure Python).
 
-The estimate is the partition plan's arithmetic (:func:`mindzero.memory.expected_bytes`) on the
+The estimate is the partition plan's arithmetic (:func:`mindzero.core.memory.expected_bytes`) on the
 parameter shapes, so it counts padding and replicated parameters exactly as ``prepare_train_network``
 will; ``memory_report(train_net)`` is the measured side. Beside it, the ZeRO paper's formulas for
 ``Φ`` parameters on ``N`` ranks (arXiv 1910.02054, K = 12 for mixed-precision Adam):
@@ -21,7 +21,7 @@ masters and moments), plus padding.
 
 Without accumulation the gradients exist only inside the step (not counted as persistent).
 
-``python -m mindzero.estimate --params 100M --group-sizes 2,4,8`` (console script ``mindzero-estimate``).
+``python -m mindzero.core.estimate --params 100M --op-sizes 2,4,8`` (console script ``mindzero-estimate``).
 """
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "sgd": 2, "momentum": 1,
                     "mint.adam": 2, "mint.adamw": 2, "mint.adam_amsgrad": 3, "mint.sgd": 1}
 
 
-def paper_formula(phi: int, stage: int, group_size: int, mixed_precision: bool = True, n_states: int = 2) -> dict:
+def paper_formula(phi: int, stage: int, op_size: int, mixed_precision: bool = True, n_states: int = 2) -> dict:
     """The ZeRO paper's per-rank bytes by kind for ``phi`` parameters (mixed precision: fp16 parameters
     and gradients, fp32 master copy and ``n_states`` fp32 moments: K = 4 + 4 * n_states); with
     ``mixed_precision=False`` the fp32 version mindzero allocates (see the module table)."""
-    n, policy = group_size, stage_policy(stage)
+    n, policy = op_size, stage_policy(stage)
     part = lambda nbytes, sharded: nbytes / n if sharded else nbytes  # noqa: E731
     if mixed_precision:
         k = 4 + 4 * n_states
@@ -77,7 +77,7 @@ def _param_infos(network_or_param_shapes, precision: MixedPrecision):
     return out
 
 
-def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, optimizer: str = "adamw",
+def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, optimizer: str = "adamw",
                     mixed_precision: bool = False, gradient_accumulation: bool = True, param_dtype=None,
                     reduce_dtype=None, gather_quantization=None) -> dict:
     """Bytes per rank by kind that ``prepare_train_network`` will allocate, and the paper's formula.
@@ -85,7 +85,7 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, o
     Args:
         network_or_param_shapes: a Cell (its parameters, dtypes and opt-outs), a ``{name: shape}``
             dict or a list of shapes (dtype float32).
-        zero_stage: 0-3. group_size: ranks the state is sharded over (the op group).
+        zero_stage: 0-3. op_size: ranks the state is sharded over (the op group).
         optimizer: ``adamw``, ``adam``, ``sgd``, ``momentum``, ``lamb``, or mint.optim's ``mint.adam``,
             ``mint.adamw``, ``mint.adam_amsgrad``, ``mint.sgd`` (sets the state tensors per parameter).
         gradient_accumulation: count the persistent gradient buffers (``gradient_accumulation_steps > 1``).
@@ -104,7 +104,7 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, o
         ValueError: a bad stage, group size, optimizer or shape (the message names it).
     """
     policy = stage_policy(zero_stage)
-    require_int("group_size (ranks the state is sharded over)", group_size, 1)
+    require_int("op_size (ranks the state is sharded over)", op_size, 1)
     key = str(optimizer).lower()
     if key not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZER_STATES)}")
@@ -112,7 +112,7 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, o
         param_dtype = "float16"
     precision = MixedPrecision.parse(param_dtype, reduce_dtype)
     infos = _param_infos(network_or_param_shapes, precision)
-    plan = PartitionPlan.build(infos, group_size, 0)
+    plan = PartitionPlan.build(infos, op_size, 0)
     quant = GatherQuantization.parse(gather_quantization)
     if quant is not None and not policy.shard_parameters:
         raise ValueError(f"gather_quantization={quant.kind!r} needs zero_stage=3 (stage 3's weight gathers), "
@@ -120,18 +120,18 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, group_size: int, o
     out = expected_bytes(plan, policy, OPTIMIZER_STATES[key], gradient_accumulation, precision=precision, quant=quant)
     out["total"] = sum(out[k] for k in KINDS)
     phi = sum(math.prod(i.shape) for i in infos if i.optimized)
-    formulas = both_formulas(phi, zero_stage, group_size, OPTIMIZER_STATES[key])
+    formulas = both_formulas(phi, zero_stage, op_size, OPTIMIZER_STATES[key])
     formula = formulas["mixed_precision" if precision.enabled else "fp32"]
-    out.update(phi=phi, formula=formula, formulas=formulas, stage=zero_stage, group_size=group_size)
+    out.update(phi=phi, formula=formula, formulas=formulas, stage=zero_stage, op_size=op_size)
     return out
 
 
-def both_formulas(phi: int, stage: int, group_size: int, n_states: int = 2) -> dict:
+def both_formulas(phi: int, stage: int, op_size: int, n_states: int = 2) -> dict:
     """The fp32 and the mixed-precision formula side by side (:func:`paper_formula`), each with its ``total``:
     ``{"fp32": {...}, "mixed_precision": {...}}``."""
     out = {}
     for key, mixed in (("fp32", False), ("mixed_precision", True)):
-        f = paper_formula(phi, stage, group_size, mixed, n_states)
+        f = paper_formula(phi, stage, op_size, mixed, n_states)
         out[key] = {**f, "total": sum(f.values())}
     return out
 
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=_count, help="number of parameters (one flat tensor), e.g. 125M")
     src.add_argument("--shapes", help="JSON file {name: shape} of the model's parameters")
-    ap.add_argument("--group-sizes", default="2,4,8", help="comma-separated op group sizes")
+    ap.add_argument("--op-sizes", default="2,4,8", help="comma-separated op group sizes")
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
     ap.add_argument("--mixed-precision", action="store_true", help="param_dtype=float16: fp16 parameters and gradients, fp32 masters "
@@ -167,10 +167,10 @@ def main(argv=None) -> int:
     names = {0: "16Φ", 1: "4Φ+12Φ/N", 2: "2Φ+14Φ/N", 3: "16Φ/N"} if a.mixed_precision else \
         {0: "16Φ", 1: "8Φ+12Φ/N", 2: "4Φ+16Φ/N", 3: "16Φ/N"}
     mib = 2 ** 20
-    for n in (int(x) for x in a.group_sizes.split(",")):
+    for n in (int(x) for x in a.op_sizes.split(",")):
         for stage in (int(x) for x in a.stages.split(",")):
             e = estimate_memory(shapes, stage, n, a.optimizer, a.mixed_precision, not a.no_accumulation)
-            rows.append({k: e[k] for k in ("stage", "group_size", "phi", "total", *KINDS)} | {"formula": e["formula"]})
+            rows.append({k: e[k] for k in ("stage", "op_size", "phi", "total", *KINDS)} | {"formula": e["formula"]})
             print(f"| {stage} | {n} | {e['parameters'] / mib:.1f} | {e['gradients'] / mib:.1f} | "
                   f"{e['optimizer_states'] / mib:.1f} | {e['total'] / mib:.1f} | {e['formula']['total'] / mib:.1f} | "
                   f"{names.get(stage, '')} | "

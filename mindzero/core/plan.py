@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from .checks import is_int, require_int
-from .deprecation import renamed_property, warn_renamed
 
 # bytes per element of the dtypes a MindSpore network holds
 DTYPE_BYTES = {
@@ -67,7 +66,7 @@ def valid_elements(numel: int, sharded: bool, offset: int, shard_size: int) -> i
 
 
 def shard_of_flat(flat, piece):
-    """numpy twin of :func:`mindzero.engine.kernels.own_shard`: ``flat`` (a full tensor, 1D numpy array) zero-padded,
+    """numpy twin of :func:`mindzero.comm.layout.own_shard`: ``flat`` (a full tensor, 1D numpy array) zero-padded,
     then ``piece``'s slice (a :class:`ShardSpec` or a split-info entry: ``sharded``, ``shard_size``,
     ``offset``, ``valid``); a copy of ``flat`` when not sharded."""
     if not piece.sharded:
@@ -127,9 +126,6 @@ class ShardSpec:
     sharded: bool
     reason: str = ""  # why the parameter is replicated; empty when sharded
     optimized: bool = True  # the optimizer updates it (False: frozen, or a buffer): no gradient, no state
-
-    group_size = renamed_property("group_size", "op_size", "ranks in the op group")
-    rank = renamed_property("rank", "op_rank", "the shard index in the op group")
 
     def __post_init__(self):
         if not 0 <= self.op_rank < self.op_size:
@@ -218,25 +214,15 @@ class PartitionPlan:
     op_rank: int
     specs: tuple = field(default_factory=tuple)
 
-    group_size = renamed_property("group_size", "op_size", "ranks in the op group")
-    rank = renamed_property("rank", "op_rank", "the shard index in the op group")
-
     @staticmethod
-    def build(params: Iterable[ParamInfo], op_size: int = None, op_rank: int = None, *, shard_frozen: bool = True,
-              group_size: int = None, rank: int = None) -> "PartitionPlan":
+    def build(params: Iterable[ParamInfo], op_size: int, op_rank: int, *, shard_frozen: bool = True) -> "PartitionPlan":
         """Shard every non-empty parameter that the user did not opt out and the network does not write, over
         an op group of ``op_size`` ranks, seen from ``op_rank``: the optimized ones, and the frozen ones unless
-        ``shard_frozen`` is False (``group_size=`` / ``rank=``: the deprecated names of the first two).
+        ``shard_frozen`` is False.
 
         Raises:
             ValueError: ``op_size`` < 1, ``op_rank`` outside ``[0, op_size)``, or a duplicate parameter name.
         """
-        if group_size is not None:
-            warn_renamed("PartitionPlan.build(group_size=)", "PartitionPlan.build(op_size=)")
-            op_size = group_size if op_size is None else op_size
-        if rank is not None:
-            warn_renamed("PartitionPlan.build(rank=)", "PartitionPlan.build(op_rank=)")
-            op_rank = rank if op_rank is None else op_rank
         require_int("op_size", op_size, 1)
         if not is_int(op_rank) or not 0 <= op_rank < op_size:
             raise ValueError(f"op_rank must be an int in [0, op_size={op_size}), got {op_rank!r}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-# what a gradient is at clip time, for the global norm (mindzero.train_step._norm_sq_one)
+# what a gradient is at clip time, for the global norm (the kernel mindzero.engine.kernels.norm_sq)
 REPLICATED, SHARD, OWN_SLICE = 0, 1, 2
 # how a bucket is reduced
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = 1, 2, 3
@@ -95,25 +95,13 @@ class ZeroState:
     ema: object = None  # mindzero.engine.train_step.ZeroEMA or None
     regather: bool = True  # stage 3, graph mode: gather again in backward (stage3_regather)
     units: tuple = ()  # stage 3 gather_units: the parameter names of each unit gathered in one collective
+    # mindzero.core.comm_plan.Call per collective of one optimizer step (comm_plan.state_calls, filled at assembly):
+    calls: tuple = ()  # as this world runs them
+    real_calls: tuple = ()  # with real reduce-scatter and sub-group collectives (what GPU/Ascend run)
 
     @property
     def fusion(self):
         return self.config.fusion
-
-    @property
-    def calls(self) -> tuple:
-        """:class:`~mindzero.core.comm_plan.Call` per collective of one optimizer step, as this world runs them."""
-        from .comm_plan import step_calls
-
-        return tuple(step_calls(self, self.world))
-
-    @property
-    def real_calls(self) -> tuple:
-        """The same with real reduce-scatter and sub-group collectives (what GPU/Ascend run)."""
-        from .comm_plan import step_calls
-        from .topology import COLLECTIVES
-
-        return tuple(step_calls(self, self.world.with_backend(COLLECTIVES))) if self.world.emulated else self.calls
 
     @property
     def precision(self):

@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .checks import is_int
-from .deprecation import renamed_property, warn_renamed
 
 # How collectives run (mindzero.comm.backends implements each):
 SINGLE = "single"  # a world of one rank: every collective is the identity
@@ -115,13 +114,6 @@ class World:
     dp_rank = property(lambda self: self.dp.index, doc="which replica this rank is in")
     dp_group = property(lambda self: self.dp.name, doc="MindSpore's name of the dp group")
 
-    group_size = renamed_property("group_size", "op_size", "ranks in the op group; world_size for the world")
-    rank = renamed_property("rank", "op_rank", "the shard index in the op group; world_rank for the world")
-    group = renamed_property("group", "op_group")
-    members = renamed_property("members", "op_ranks")
-    replicas = renamed_property("replicas", "dp_size")
-    replica = renamed_property("replica", "dp_rank")
-
     @property
     def hybrid(self) -> bool:
         return self.dp_size > 1
@@ -164,16 +156,6 @@ class HybridLayout:
         """Replicas of the op group (R = N / G)."""
         return len(self.op_groups)
 
-    @property
-    def shard_size(self) -> int:
-        warn_renamed("HybridLayout.shard_size", "HybridLayout.op_size", "ranks per op group, not elements per shard")
-        return self.op_size
-
-    @property
-    def replicas(self) -> int:
-        warn_renamed("HybridLayout.replicas", "HybridLayout.dp_size")
-        return self.dp_size
-
     def op_group_of(self, rank: int) -> tuple:
         return next(g for g in self.op_groups if rank in g)
 
@@ -187,10 +169,6 @@ class HybridLayout:
     def dp_rank(self, rank: int) -> int:
         """The replica (op group index) of world rank ``rank``."""
         return self.op_groups.index(self.op_group_of(rank))
-
-    def replica(self, rank: int) -> int:
-        warn_renamed("HybridLayout.replica(rank)", "HybridLayout.dp_rank(rank)")
-        return self.dp_rank(rank)
 
     @staticmethod
     def contiguous(world_size: int, op_size: int) -> "HybridLayout":

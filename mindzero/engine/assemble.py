@@ -9,7 +9,7 @@ import dataclasses
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
-from ..core.comm_plan import step_buckets
+from ..core.comm_plan import state_calls, step_buckets
 from ..core.config import LossScale, ZeroConfig
 from ..core.plan import PartitionPlan, param_infos
 from ..core.state import MasterPair, ParamState, ZeroState
@@ -49,8 +49,10 @@ def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
         ema = ZeroEMA([ps.weight for ps in params], config.ema.decay, config.ema.updates,
                       ms.float32 if precision.enabled else None)
     regather = config.stage3_regather and ms.get_context("mode") == ms.GRAPH_MODE
-    return ZeroState(config, world, plan, params, micro, boundary, gather, tuple(state_attrs), scale_sense, manager,
-                     ema, regather, tuple(units))
+    state = ZeroState(config, world, plan, params, micro, boundary, gather, tuple(state_attrs), scale_sense, manager,
+                      ema, regather, tuple(units))
+    state.calls, state.real_calls = state_calls(state)
+    return state
 
 
 def _loss_scale(loss_scale: LossScale):

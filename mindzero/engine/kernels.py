@@ -7,84 +7,16 @@ of Python numbers mapped alongside. A Cell a kernel calls is mapped as an elemen
 bound with ``ops.partial`` instead, MindSpore 2.10 fails to compile the step ("The pointer[cnode_abs] is
 null"), as it does when a kernel chooses between two Cells with ``if``.
 
-Used by the collective Cells (:mod:`mindzero.comm.cells`: buckets) and the train step
-(:mod:`mindzero.engine.train_step`).
+Used by the train step (:mod:`mindzero.engine.train_step`); the layout helpers they share with the
+collective Cells (``own_shard``, ``pick``, ``MAP``) are in :mod:`mindzero.comm.layout`.
 """
 from __future__ import annotations
 
 import mindspore as ms
 from mindspore import ops
 
+from ..comm.layout import MAP, own_shard, pick
 from ..core.state import OWN_SLICE, REPLICATED
-
-MAP = ops.Map()
-
-
-def own_shard(flat, padding: int, op_rank: int, op_size: int):
-    """``flat`` zero-padded by ``padding``, then op rank ``op_rank``'s contiguous 1/``op_size`` (the graph
-    twin of :func:`mindzero.core.plan.shard_of_flat`).
-
-    Pads the whole tensor before slicing: slicing a collective's output first and padding the tail made
-    MindSpore 2.10's CPU all-reduce write into a buffer of the slice's size ("RunRingAllReduce Memcpy
-    error"). Without padding or sharding the tensor is returned as it is.
-    """
-    if padding:
-        flat = ops.concat((flat, ops.zeros((padding,), flat.dtype)))
-    if op_size == 1:
-        return flat
-    size = flat.shape[0] // op_size
-    return flat[op_rank * size:(op_rank + 1) * size]
-
-
-# --- tuples and buckets ------------------------------------------------------------------------------------
-flatten = ops.MultitypeFuncGraph("mindzero_flatten")
-item = ops.MultitypeFuncGraph("mindzero_item")
-own_part = ops.MultitypeFuncGraph("mindzero_own_part")
-as_rows = ops.MultitypeFuncGraph("mindzero_as_rows")
-reshape_as = ops.MultitypeFuncGraph("mindzero_reshape_as")
-
-
-@flatten.register("Tensor")
-def _flatten(x):
-    """``x`` as 1D."""
-    return x.reshape((-1,))
-
-
-@item.register("Tuple", "Number")
-def _item(values, i):
-    """``values[i]``."""
-    return values[i]
-
-
-@own_part.register("Tensor", "Number", "Number", "Number", "Number", "Number")
-def _own_part(flat, op_rank, op_size, offset, numel, padding):
-    """This rank's padded shard of the tensor at ``[offset, offset + numel)`` of a concatenation."""
-    return own_shard(flat[offset:offset + numel], padding, op_rank, op_size)
-
-
-@as_rows.register("Number", "Tensor", "Number")
-def _as_rows(op_size, x, padding):
-    """``x`` flattened, zero-padded and laid out as ``(op_size, shard_size)``: row ``r`` is op rank ``r``'s shard."""
-    return own_shard(x.reshape((-1,)), padding, 0, 1).reshape((op_size, -1))
-
-
-@reshape_as.register("Tensor", "Tensor")
-def _reshape_as(part, like):
-    """``part`` in ``like``'s shape."""
-    return part.reshape(like.shape)
-
-
-def pick(values, positions):
-    """``(values[positions[0]], values[positions[1]], ...)``."""
-    return MAP(ops.partial(item, values), positions)
-
-
-def flat_concat(tensors):
-    """The tensors flattened and concatenated (no copy for one tensor)."""
-    if len(tensors) == 1:
-        return tensors[0].reshape((-1,))
-    return ops.concat(MAP(flatten, tensors))
-
 
 # --- the train step ----------------------------------------------------------------------------------------
 reduce_unit = ops.MultitypeFuncGraph("mindzero_reduce_unit")

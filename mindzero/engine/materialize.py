@@ -29,7 +29,7 @@ import contextlib
 
 import numpy as np
 
-from ..checkpoint.tensor_io import crc32_array
+from ..core.checksum import crc32_array
 from ..core.plan import shard_array
 
 _STATE = "_mindzero_rng_state"  # attribute on an initializer Tensor: NumPy's state for its eager init

@@ -54,7 +54,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
             keeping its full value alive from forward (peak gathered-parameter memory about the largest
             layer's, at one more all-gather per parameter); ``False`` trades that memory for speed.
         optimizer_offload: run the optimizer's update primitive (and so keep its states) on the host;
-            see :func:`mindzero.optim.offload_update` (on CPU: the same result, nothing moves).
+            see :func:`mindzero.engine.optim.offload_update` (on CPU: the same result, nothing moves).
         ema: ``None``; a decay in (0, 1); or mindone's ``EMA`` (its ``ema_decay`` is used): keep an
             exponential moving average of the optimized parameters, held like them (shards at stage 3),
             updated after each applied step; ``updates``: its initial step count (decay warm-up).

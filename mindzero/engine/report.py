@@ -13,8 +13,7 @@ def memory_report(train_net) -> dict:
 
     Returns:
         ``{"parameters", "gradients", "optimizer_states", "optimizer_moments", "master_shards", "ema": int,
-        "expected": {same keys}, "stage": int, "op_size": int, "dp_size": int}`` (and ``group_size``,
-        ``replicas``: the same two under their deprecated names); ``optimizer_states`` is
+        "expected": {same keys}, "stage": int, "op_size": int, "dp_size": int}``; ``optimizer_states`` is
         ``optimizer_moments + master_shards``.
     """
     info = train_net.zero_info
@@ -33,8 +32,6 @@ def memory_report(train_net) -> dict:
         "stage": info.config.zero_stage,
         "op_size": info.world.op_size,  # the op group: what the shards divide by
         "dp_size": info.world.dp_size,
-        "group_size": info.world.op_size,  # deprecated keys (a dict cannot warn): op_size, dp_size
-        "replicas": info.world.dp_size,
     }
 
 

@@ -38,7 +38,7 @@ from ..comm.cells import (AllGather, AllReduceSum, AnyRank, Bucket, FusedAllGath
                           FusedReduceScatterSum, ReduceScatterSum)
 from ..core.state import REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
 from ..core.topology import World
-from ..launch.runtime import release_host_memory
+from ..core.host import release_host_memory
 from .kernels import (MAP, accumulate, cast_to, depend_on, ema_update, finite, gather_unit, gather_write, norm_sq,
                       reduce_grad, reduce_unit, route, scale_by, write_cast, zero_after)
 from .precision import explain_dtype_errors
@@ -68,7 +68,7 @@ class _SumShard(nn.Cell):
 
 
 class Reduction(nn.Cell):
-    """Reduce a tuple of gradients bucket by bucket (:class:`~mindzero.state.CommBucket`, kind
+    """Reduce a tuple of gradients bucket by bucket (:class:`~mindzero.core.state.CommBucket`, kind
     ``ALL_REDUCE``: sum over the world, full tensors; ``REDUCE_SCATTER``: sum over the world, this rank's
     padded 1D shard); one collective per bucket (one tensor per bucket without ``comm_fusion``). Positions
     in no bucket pass through. With ``scale`` every output is multiplied by
@@ -117,7 +117,7 @@ class GatherInto(nn.Cell):
     """Stages 1-2: all-gather updated master shards and write each into its full network parameter
     (one all-gather per ``comm_fusion`` bucket; per tensor without fusion).
 
-    ``units``: :class:`~mindzero.state.CommBucket` whose positions index the ``fulls`` / ``shards`` tuples.
+    ``units``: :class:`~mindzero.core.state.CommBucket` whose positions index the ``fulls`` / ``shards`` tuples.
     """
 
     def __init__(self, units, world: World):

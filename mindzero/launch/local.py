@@ -1,10 +1,10 @@
 """Run a script on several local ranks (``msrun``, one or several loopback "nodes", or ``mpirun``)
 with a timeout, a free port, and the log of the rank that failed first.
 
-``python -m mindzero.local_launch -n 2 [--nodes K] [--launcher msrun|mpirun] [--timeout S] [--out DIR] SCRIPT [ARGS...]``
+``python -m mindzero.launch.local -n 2 [--nodes K] [--launcher msrun|mpirun] [--timeout S] [--out DIR] SCRIPT [ARGS...]``
 
 The worker protocol: the script gets ``--out DIR`` appended and must write ``DIR/rank_<r>.done`` when it
-finishes (:func:`start_worker` and :meth:`Worker.finish` do both for a script); a rank without it, a
+finishes (:func:`mindzero.launch.worker.start_worker` and ``Worker.finish`` do both for a script); a rank without it, a
 non-zero exit or a timeout (every process is then killed) fails the launch, naming the rank that failed
 first and showing its log tail. No launch waits forever. Used by the tests, the examples, the benchmarks
 and the README's main command.
@@ -26,44 +26,6 @@ PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 LAUNCHERS = ("msrun", "mpirun")
 # after one launcher process failed, how long the others (other "nodes") get to end on their own
 GRACE = 90.0
-
-
-@dataclass
-class Worker:
-    """One rank of a launched script (the worker protocol): its parsed arguments, its :class:`World`, the
-    launch's ``out`` directory and its own ``rank_dir`` (``out/rank_<world rank>``, made)."""
-
-    args: argparse.Namespace
-    world: object
-    out: Path
-
-    @property
-    def rank_dir(self) -> Path:
-        return self.out / f"rank_{self.world.world_rank}"
-
-    def finish(self) -> None:
-        """Tell the launcher this rank finished: ``out/rank_<world rank>.done``."""
-        finish_rank(self.out, self.world.world_rank)
-
-
-def start_worker(parser: argparse.ArgumentParser = None, argv=None, **start) -> Worker:
-    """The start of every launched script: parse its arguments (``parser``'s, plus the ``--out`` the
-    launcher appends), start the data-parallel world (:func:`mindzero.start_data_parallel` with ``start``)
-    and make this rank's directory."""
-    from .runtime import start_data_parallel
-
-    parser = parser or argparse.ArgumentParser()
-    if not any("--out" in a.option_strings for a in parser._actions):
-        parser.add_argument("--out", required=True, help="the launch's output directory (given by the launcher)")
-    args = parser.parse_args(argv)
-    worker = Worker(args, start_data_parallel(**start), Path(args.out))
-    worker.rank_dir.mkdir(parents=True, exist_ok=True)
-    return worker
-
-
-def finish_rank(out, world_rank: int) -> None:
-    """The marker the launcher waits for: ``out/rank_<world_rank>.done``."""
-    (Path(out) / f"rank_{world_rank}.done").write_text("ok")
 
 
 def free_port() -> int:

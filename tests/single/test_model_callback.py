@@ -125,7 +125,7 @@ def test_resume_refuses_other_data_and_foreign_checkpoints(tmp_path):
     step = prepare(zero_stage=1)
     ck = mindzero.ZeroCheckpoint(step, tmp_path / "run", save_every=2)
     Model(step).train(1, dataset(8), callbacks=[ck], dataset_sink_mode=False)
-    assert [p.name for p in mindzero.checkpoint.complete_checkpoints(tmp_path / "run")] == ["step_00000002",
+    assert [p.name for p in mindzero.complete_checkpoints(tmp_path / "run")] == ["step_00000002",
                                                                                           "step_00000004"]
     with pytest.raises(CheckpointError, match=r"step_00000004: saved with a dataset of 4 batches per epoch, "
                                               "this dataset has 5"):
@@ -169,7 +169,7 @@ def test_async_checkpoints_equal_synchronous_ones(tmp_path):
         step = prepare(zero_stage=3)
         ck = mindzero.ZeroCheckpoint(step, tmp_path / f"async{mode}", save_every=2, keep=2, async_save=mode)
         Model(step).train(2, dataset(8), callbacks=[ck], dataset_sink_mode=False)
-        kept[mode] = mindzero.checkpoint.complete_checkpoints(tmp_path / f"async{mode}")
+        kept[mode] = mindzero.complete_checkpoints(tmp_path / f"async{mode}")
         assert sorted(p.name for p in (tmp_path / f"async{mode}").iterdir()) == [p.name for p in kept[mode]]
         merge_checkpoint(kept[mode][-1], tmp_path / f"m{mode}.ckpt", with_optimizer=True, log=None)
     assert [p.name for p in kept[True]] == [p.name for p in kept[False]] == ["step_00000006", "step_00000008"]

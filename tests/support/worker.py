@@ -1,26 +1,22 @@
-"""The worker side of a test launch: start (the library's worker protocol, with mindzero's deprecation
-warnings as errors, as in the suite) and train a :class:`~tests.support.scenarios.Scenario`."""
+"""The worker side of a test launch: start (the library's worker protocol) and train a :class:`~tests.support.scenarios.Scenario`."""
 import contextlib
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 from mindspore import amp, nn
 
 import mindzero
-from mindzero.checkpoint.tensor_io import crc32_array
+from mindzero.core.checksum import crc32_array
 from mindzero.comm import substitute_collectives
-from mindzero.launch.local import start_worker
+from mindzero.launch.worker import start_worker
 
 from .data import batch, concat
 from .models import TORCH_STYLE, build, make_optimizer
 
 
 def start(parser=None):
-    """:func:`mindzero.launch.local.start_worker` (arguments with ``--out``, the data-parallel world, this
-    rank's directory), with :class:`mindzero.MindzeroDeprecationWarning` an error: the tests use no
-    deprecated name."""
-    warnings.simplefilter("error", mindzero.MindzeroDeprecationWarning)
+    """:func:`mindzero.launch.worker.start_worker`: arguments with ``--out``, the data-parallel world, this
+    rank's directory."""
     return start_worker(parser)
 
 

@@ -55,9 +55,9 @@ def test_no_accumulation_has_no_persistent_gradients_and_momentum_has_one_state(
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(zero_stage=4, group_size=2), "zero_stage"),
-    (dict(zero_stage=1, group_size=0), "group_size"),
-    (dict(zero_stage=1, group_size=2, optimizer="rmsprop"), "optimizer='rmsprop'"),
+    (dict(zero_stage=4, op_size=2), "zero_stage"),
+    (dict(zero_stage=1, op_size=0), "op_size"),
+    (dict(zero_stage=1, op_size=2, optimizer="rmsprop"), "optimizer='rmsprop'"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -68,7 +68,7 @@ def test_bad_arguments(kwargs, match):
 
 def test_cli_table_and_json(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    assert main(["--params", "100M", "--group-sizes", "2,4", "--json", str(out)]) == 0
+    assert main(["--params", "100M", "--op-sizes", "2,4", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| 3 | 4 | 95.4 | 95.4 | 190.7 | 381.5 | 381.5 | 16Φ/N |" in text, text
     rows = json.loads(out.read_text())

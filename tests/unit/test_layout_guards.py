@@ -1,5 +1,6 @@
 """Guards of the package layout (docs/architecture.md), pure: the core and the offline tools import without
-MindSpore, and no import cycle runs through mindzero's modules."""
+MindSpore, every import (module level or inside a function) goes down the layers, and no import cycle runs
+through mindzero's modules."""
 import ast
 import pkgutil
 import subprocess
@@ -15,7 +16,7 @@ PACKAGE = Path(mindzero.__file__).resolve().parent
 PURE_PACKAGES = ("mindzero.core",)
 PURE_MODULES = ("mindzero", "mindzero.checkpoint", "mindzero.checkpoint.format", "mindzero.checkpoint.tensor_io",
                 "mindzero.checkpoint.source", "mindzero.checkpoint.offline", "mindzero.checkpoint.cli",
-                "mindzero.launch", "mindzero.launch.local", "mindzero.launch.mpi", "mindzero.local_launch")
+                "mindzero.launch", "mindzero.launch.local", "mindzero.launch.mpi")
 
 
 def _modules(package: str) -> list:
@@ -46,15 +47,15 @@ def _module_of(path: Path) -> str:
 
 
 def _import_graph() -> dict:
-    """Module -> the mindzero modules it imports at module level (imports inside functions are lazy and do
-    not make cycles at import time)."""
+    """Module -> the mindzero modules it imports, at module level or inside a function (a lazy import is still
+    a dependency: it runs when the function does)."""
     files = {_module_of(p): p for p in PACKAGE.rglob("*.py")}
     graph = {}
     for name, path in files.items():
         is_package = path.name == "__init__.py"
         base = name.split(".") if is_package else name.split(".")[:-1]
         edges = set()
-        for node in ast.parse(path.read_text()).body:
+        for node in ast.walk(ast.parse(path.read_text())):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -108,3 +109,48 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
     with pytest.raises(AssertionError, match="import cycle: mindzero.sub.a -> mindzero.sub.b -> mindzero.sub.a"):
         test_no_import_cycle()
+
+
+# the layers, bottom up: a folder imports only the folders listed for it (and itself); docs/architecture.md
+LAYERS = {
+    "core": (),
+    "comm": ("core",),
+    "engine": ("core", "comm"),
+    "checkpoint": ("core", "comm", "engine"),
+    "launch": ("core",),
+}
+# the one module above its folder's layer: the worker side of a launch starts MindSpore's world
+LAYER_EXCEPTIONS = {"mindzero.launch.worker": ("comm",)}
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else ""
+
+
+def layer_violations(graph: dict) -> list:
+    """``module -> imported`` edges that go up or sideways between the folders of :data:`LAYERS`."""
+    bad = []
+    for module, edges in sorted(graph.items()):
+        here = _folder(module)
+        if not here:
+            continue  # mindzero/__init__.py: the public table names every layer
+        allowed = (here,) + LAYERS[here] + LAYER_EXCEPTIONS.get(module, ())
+        bad += [f"{module} -> {t}" for t in sorted(edges) if _folder(t) and _folder(t) not in allowed]
+    return bad
+
+
+def test_imports_go_down_the_layers():
+    graph = _import_graph()
+    assert {_folder(m) for m in graph} >= set(LAYERS), "every layer has modules"
+    assert layer_violations(graph) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    """Not vacuous: an import inside a function, from comm up to engine, is found."""
+    graph = {"mindzero.comm.cells": {"mindzero.core.topology"}, "mindzero.comm.x": {"mindzero.engine.kernels"},
+             "mindzero.launch.local": {"mindzero.comm.groups"}, "mindzero.launch.worker": {"mindzero.comm.start"}}
+    assert layer_violations(graph) == ["mindzero.comm.x -> mindzero.engine.kernels",
+                                       "mindzero.launch.local -> mindzero.comm.groups"]
+    tree = ast.parse("def f():\n    from ..engine.kernels import MAP\n")
+    assert any(isinstance(n, ast.ImportFrom) and n.module == "engine.kernels" for n in ast.walk(tree))

@@ -2,7 +2,7 @@
 sharded (a frozen weight was a per-rank value then), 4 ranks, stage 3; see make_golden.py. Run in a checkout of
 c9a38b7 with make_golden.py of commit cc9612d beside it and the class LoraNet of tests/support/models.py (with
 its imports) as tests/multirank/lora_model.py:
-    python -m mindzero.local_launch -n 4 --out /tmp/golden tests/data/golden/make_golden_lora.py --dest DEST
+    python -m mindzero.launch.local -n 4 --out /tmp/golden tests/data/golden/make_golden_lora.py --dest DEST
 """
 import sys
 from pathlib import Path

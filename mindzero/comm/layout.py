@@ -1,0 +1,78 @@
+"""Graph-mode layout helpers of the flat 1D shard layout: this rank's shard of a tensor, tuples picked and
+flattened, a tensor laid out as one row per op rank. The collective Cells (:mod:`mindzero.comm.cells`,
+:mod:`mindzero.comm.backends`) and the train step's kernels (:mod:`mindzero.engine.kernels`) share them.
+
+``MAP`` is mindzero's one ``ops.Map``: per-tensor work is a ``MultitypeFuncGraph`` kernel mapped over tuples
+of tensors (MindSpore's idiom, ``nn/wrap/grad_reducer.py``), never a tuple grown one element at a time.
+"""
+from __future__ import annotations
+
+from mindspore import ops
+
+MAP = ops.Map()
+
+
+def own_shard(flat, padding: int, op_rank: int, op_size: int):
+    """``flat`` zero-padded by ``padding``, then op rank ``op_rank``'s contiguous 1/``op_size`` (the graph
+    twin of :func:`mindzero.core.plan.shard_of_flat`).
+
+    Pads the whole tensor before slicing: slicing a collective's output first and padding the tail made
+    MindSpore 2.10's CPU all-reduce write into a buffer of the slice's size ("RunRingAllReduce Memcpy
+    error"). Without padding or sharding the tensor is returned as it is.
+    """
+    if padding:
+        flat = ops.concat((flat, ops.zeros((padding,), flat.dtype)))
+    if op_size == 1:
+        return flat
+    size = flat.shape[0] // op_size
+    return flat[op_rank * size:(op_rank + 1) * size]
+
+
+# --- tuples and buckets ------------------------------------------------------------------------------------
+flatten = ops.MultitypeFuncGraph("mindzero_flatten")
+item = ops.MultitypeFuncGraph("mindzero_item")
+own_part = ops.MultitypeFuncGraph("mindzero_own_part")
+as_rows = ops.MultitypeFuncGraph("mindzero_as_rows")
+reshape_as = ops.MultitypeFuncGraph("mindzero_reshape_as")
+
+
+@flatten.register("Tensor")
+def _flatten(x):
+    """``x`` as 1D."""
+    return x.reshape((-1,))
+
+
+@item.register("Tuple", "Number")
+def _item(values, i):
+    """``values[i]``."""
+    return values[i]
+
+
+@own_part.register("Tensor", "Number", "Number", "Number", "Number", "Number")
+def _own_part(flat, op_rank, op_size, offset, numel, padding):
+    """This rank's padded shard of the tensor at ``[offset, offset + numel)`` of a concatenation."""
+    return own_shard(flat[offset:offset + numel], padding, op_rank, op_size)
+
+
+@as_rows.register("Number", "Tensor", "Number")
+def _as_rows(op_size, x, padding):
+    """``x`` flattened, zero-padded and laid out as ``(op_size, shard_size)``: row ``r`` is op rank ``r``'s shard."""
+    return own_shard(x.reshape((-1,)), padding, 0, 1).reshape((op_size, -1))
+
+
+@reshape_as.register("Tensor", "Tensor")
+def _reshape_as(part, like):
+    """``part`` in ``like``'s shape."""
+    return part.reshape(like.shape)
+
+
+def pick(values, positions):
+    """``(values[positions[0]], values[positions[1]], ...)``."""
+    return MAP(ops.partial(item, values), positions)
+
+
+def flat_concat(tensors):
+    """The tensors flattened and concatenated (no copy for one tensor)."""
+    if len(tensors) == 1:
+        return tensors[0].reshape((-1,))
+    return ops.concat(MAP(flatten, tensors))
