@@ -35,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from mindzero.core.estimate import paper_formula  # noqa: E402
-from mindzero.launch.local import MemoryLimitExceeded, MemoryWatch, launch  # noqa: E402
+from mindzero.launch.local import LaunchError, MemoryLimitExceeded, MemoryWatch, launch  # noqa: E402
 
 GIB = 2 ** 30
 NAMES = {"dp": "plain DP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3"}
@@ -99,7 +99,7 @@ def run(config, layers, a, out: Path) -> dict:
     except MemoryLimitExceeded as err:
         outcome.update(ok=False, why=f"over the {a.budget_gib:g} GiB budget")
         watch.peak_rss = err.peak
-    except AssertionError as err:  # a rank died (e.g. the kernel's OOM killer) or the launch timed out
+    except LaunchError as err:  # a rank died (e.g. the kernel's OOM killer) or the launch timed out
         outcome.update(ok=False, why=str(err).splitlines()[0][:300])
     outcome.update(job_peak_gib=watch.peak_rss / GIB, seconds=time.time() - t)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mindzero.checkpoint.tensor_io import crc32_array, open_writer  # noqa: E402
+from mindzero.checkpoint.tensor_io import open_writer  # noqa: E402
+from mindzero.core.checksum import crc32_array  # noqa: E402
 from mindzero.core.plan import ParamInfo, PartitionPlan  # noqa: E402
 from mindzero.checkpoint.format import SplitInfo, TensorEntry, split_info_name, write_marker  # noqa: E402
 

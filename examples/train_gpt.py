@@ -34,7 +34,7 @@ from mindspore import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mindzero  # noqa: E402
-from mindzero.checkpoint.live import complete_checkpoints, latest_checkpoint  # noqa: E402
+from mindzero.checkpoint.directory import complete_checkpoints, latest_checkpoint  # noqa: E402
 from mindzero.launch.worker import finish_rank  # noqa: E402
 from mindzero.comm import AllGather  # noqa: E402
 from mindzero.checkpoint.offline import merge_checkpoint  # noqa: E402

@@ -29,7 +29,9 @@ from mindspore.train import Callback
 
 from ..core.config import CheckpointOptions, merge_settings
 from ..core.settings import resolve_settings
-from .live import CheckpointError, _Barrier, complete_checkpoints, latest_checkpoint, load_checkpoint, read_trainer_state
+from ..comm.cells import Barrier
+from .directory import CheckpointError, complete_checkpoints, latest_checkpoint, read_trainer_state
+from .live import load_checkpoint
 from .save import save_checkpoint, wait_for_save
 
 logger = logging.getLogger("mindzero")
@@ -226,7 +228,7 @@ class ZeroCheckpoint(Callback):
                 shutil.rmtree(p, ignore_errors=True)
             if removed:
                 logger.info("ZeroCheckpoint: removed %s", ", ".join(p.name for p in removed))
-        _Barrier(self.train_net.zero_info.world)()  # every rank sees the directory as rank 0 left it
+        Barrier(self.train_net.zero_info.world)()  # every rank sees the directory as rank 0 left it
 
 
 _SIGNATURE = inspect.signature(ZeroCheckpoint.__init__).parameters  # the defaults of the named arguments

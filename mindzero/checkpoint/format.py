@@ -44,7 +44,7 @@ from ..core.config import CHECKPOINT_FORMATS as FORMATS
 from ..core.checks import is_int
 from ..core.config import stage_policy
 from ..core.plan import is_per_rank, valid_elements
-from .tensor_io import crc32_bytes
+from ..core.checksum import crc32_bytes
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: no checksums (read without verification)

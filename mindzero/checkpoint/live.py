@@ -26,22 +26,17 @@ buffers are empty at an update step, the only time a save is allowed.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 from mindspore import Tensor
 
 from ..comm.backends import backend_of
-from ..comm.cells import AllReduceSum, shared_cell
+from ..comm.cells import Barrier
 from ..core.plan import shard_array
-from .format import (COMPLETE, SplitInfo, entry_at)
+from .directory import CheckpointError
+from .format import SplitInfo, entry_at
 from .tensor_io import MS_TO_NAME
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be saved or loaded; the message names the file and what is wrong."""
 
 
 def live_tensors(train_net, fmt: str = "ckpt") -> list:
@@ -81,58 +76,6 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
     return out
 
 
-class _Barrier:
-    """All ranks wait here; also agrees on a value chosen by rank 0 (a SUM in which the others add 0)."""
-
-    def __init__(self, world):
-        self.cell, self.rank = shared_cell(AllReduceSum, world), world.world_rank
-
-    def __call__(self, values=(0.0,)):
-        x = np.array(values, np.float32) if self.rank == 0 else np.zeros(len(values), np.float32)
-        return self.cell(Tensor(x)).asnumpy()
-
-    def count(self, flag: bool) -> int:
-        """How many ranks passed ``flag=True`` (every rank contributes; also a barrier)."""
-        return int(round(float(self.cell(Tensor(np.array([float(flag)], np.float32))).asnumpy()[0])))
-
-
-def trainer_state_name(world_rank: int) -> str:
-    """The file of world rank ``world_rank``'s ``trainer_state`` (every rank writes its own)."""
-    return f"trainer_state_{world_rank}.json"
-
-
-def read_trainer_state(ckpt_dir, world_rank: int = 0) -> dict:
-    """The ``trainer_state`` world rank ``world_rank`` saved with a checkpoint (``{}`` if none was)."""
-    path = Path(ckpt_dir) / trainer_state_name(world_rank)
-    if not (Path(ckpt_dir) / COMPLETE).is_file():
-        raise CheckpointError(f"{ckpt_dir}: not a complete mindzero checkpoint (no {COMPLETE} marker)")
-    if not path.is_file():
-        return {}
-    try:
-        state = json.loads(path.read_text())
-    except ValueError as err:
-        raise CheckpointError(f"{path}: not valid JSON: {err}") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: must hold a JSON object, got {type(state).__name__}")
-    return state
-
-
-def complete_checkpoints(root, prefix: str = "step_") -> list:
-    """The complete checkpoints ``root/<prefix>*`` (with a ``COMPLETE`` marker), oldest first by name;
-    ``.partial`` leftovers of an interrupted save are skipped."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob(prefix + "*")
-                  if p.suffix != ".partial" and (p / COMPLETE).is_file())
-
-
-def latest_checkpoint(root, prefix: str = "step_"):
-    """The newest complete checkpoint under ``root`` (:func:`complete_checkpoints`), or ``None``."""
-    done = complete_checkpoints(root, prefix)
-    return done[-1] if done else None
-
-
 def load_checkpoint(train_net, ckpt_dir):
     """Resume ``train_net`` from ``ckpt_dir``, saved at any world size, stage or hybrid layout.
 
@@ -157,7 +100,7 @@ def load_checkpoint(train_net, ckpt_dir):
         values, saved = _read_for_load(train_net, ckpt_dir)
     except CheckpointError as err:
         error = err
-    failed = _Barrier(info.world).count(error is not None)  # every rank loads, or none does
+    failed = Barrier(info.world).count(error is not None)  # every rank loads, or none does
     if error is not None:
         raise error
     if failed:

@@ -27,7 +27,8 @@ from ..core.checks import require_int
 from ..core.plan import REASON_FROZEN, REASON_USER, ParamInfo, PartitionPlan, is_per_rank
 from .format import FORMATS, SplitInfo, SplitInfoError, entry_at, split_info_name, write_marker
 from .source import MergeError, Source
-from .tensor_io import crc32_array, np_dtype, open_writer
+from ..core.checksum import crc32_array
+from .tensor_io import np_dtype, open_writer
 
 
 class _Progress:

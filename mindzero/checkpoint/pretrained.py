@@ -11,7 +11,9 @@ import numpy as np
 from mindspore import Tensor
 
 from ..core.plan import shard_array
-from .live import CheckpointError, _Barrier, iter_full_tensors
+from ..comm.cells import Barrier
+from .directory import CheckpointError
+from .live import iter_full_tensors
 from .tensor_io import CheckpointFileError, np_dtype, open_reader, open_writer
 from .format import FORMATS
 
@@ -50,7 +52,7 @@ def load_pretrained(train_net, path, strict: bool = True, prefix: str = None) ->
         reader, report = _check_pretrained(train_net, Path(path), strict, prefix)
     except CheckpointError as err:
         error = err
-    failed = _Barrier(info.world).count(error is not None)
+    failed = Barrier(info.world).count(error is not None)
     if error is not None:
         raise error
     if failed:
@@ -178,7 +180,7 @@ def save_full_checkpoint(train_net, path, format="ckpt", trainable_only: bool = 
         if writer is not None:
             writer.abort()
         raise
-    _Barrier(info.world)()
+    Barrier(info.world)()
     return path
 
 

@@ -17,8 +17,11 @@ import numpy as np
 
 from ..engine.optim import optimizer_step
 from .format import COMPLETE, FORMATS, SplitInfo, fsync_dir, split_info_name, write_atomic, write_marker
-from .live import CheckpointError, _Barrier, live_tensors, trainer_state_name
-from .tensor_io import crc32_array, open_writer
+from ..comm.cells import Barrier
+from .directory import CheckpointError, trainer_state_name
+from .live import live_tensors
+from ..core.checksum import crc32_array
+from .tensor_io import open_writer
 
 
 def save_checkpoint(train_net, ckpt_dir, step=None, weights_only=False, format="ckpt", trainer_state=None,
@@ -87,7 +90,7 @@ def _make_job(train_net, final: Path, step, weights_only: bool, format: str, sta
     barrier of the save. Collective: agrees on a run id and makes the ``.partial`` directory (rank 0)."""
     info = train_net.zero_info
     world = info.world
-    barrier = _Barrier(world)
+    barrier = Barrier(world)
     partial = final.with_name(final.name + ".partial")
     run_id = "-".join(f"{int(v):06x}" for v in barrier(np.random.randint(0, 1 << 24, size=3)))
     if world.world_rank == 0:

@@ -14,7 +14,8 @@ import numpy as np
 
 from ..core.plan import shard_of_flat
 from .format import SplitInfoError, TensorEntry, read_all, read_marker
-from .tensor_io import CheckpointFileError, crc32_array, np_dtype, open_reader
+from ..core.checksum import crc32_array
+from .tensor_io import CheckpointFileError, np_dtype, open_reader
 
 
 class MergeError(ValueError):

@@ -22,12 +22,9 @@ import json
 import math
 import os
 import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
-
-from ..core.checksum import crc32_array, crc32_bytes  # noqa: F401 (the writers' checksum)
 
 # MindSpore tensor_type name / safetensors dtype / numpy dtype (bfloat16 as its bit pattern)
 _DTYPES = [

@@ -9,11 +9,10 @@ from ..core.topology import Group, World
 from .backends import backend_of
 from .cells import (AllGather, AllReduceSum, AnyRank, Bucket, FusedAllGather, FusedAllReduceSum, FusedReduceScatterSum,
                     ReduceScatterSum, shard_gather, shared_cell)
-from .groups import (create_hybrid_groups, current_world, register_group, resolve_world, substitute_collectives,
-                     world_for)
+from .groups import create_hybrid_groups, current_world, register_group, substitute_collectives, world_for
 from .shard_gather import ShardGather
 
 __all__ = ["AllGather", "AllReduceSum", "AnyRank", "Bucket", "FusedAllGather", "FusedAllReduceSum",
            "FusedReduceScatterSum", "Group", "ReduceScatterSum", "ShardGather", "World", "backend_of",
-           "create_hybrid_groups", "current_world", "register_group", "resolve_world", "shard_gather", "shared_cell",
+           "create_hybrid_groups", "current_world", "register_group", "shard_gather", "shared_cell",
            "substitute_collectives", "world_for"]

@@ -34,9 +34,12 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from ..core.topology import COLLECTIVES, EMULATED, SINGLE, SUBSTITUTE, World
-from .layout import MAP, as_rows, flat_concat, own_part, own_shard
-from .quantize import QuantizedGather, bytes_to_words, words_to_bytes
-from .shard_gather import GradientPort, UnitGather, make_shard_gather
+from .emulation import FusedSumThenSlice, GatherRows, Identity, SlotSum, SumThenSlice
+from .layout import MAP, as_rows, own_shard
+from .quantize import QuantizedGather
+from .shard_gather import (GradientPort, UnitGather, gradient_attrs, make_shard_gather, reduce_scatter_bprop,
+                           sum_then_slice_bprop, sum_then_slice_gather)
+from .substitute import substitute_primitive
 
 
 class Backend:
@@ -94,7 +97,7 @@ class Backend:
         gather, rows, select = parts
         return QuantizedGather(gather, self.int8_wire, rows, shard_size, block, select,
                                self._port_bprop(numel, padding, reduce_dtype),
-                               _gradient_attrs(self, numel, padding, reduce_dtype))
+                               gradient_attrs(self, numel, padding, reduce_dtype))
 
     def unit_gather(self, shards):
         parts = self._port_gather()
@@ -104,7 +107,7 @@ class Backend:
         """The :class:`~mindzero.comm.shard_gather.GradientPort` of one member of a unit (``tag`` names the unit
         and the member: MindSpore caches a primitive's gradient by its attributes)."""
         return GradientPort(self._port_bprop(numel, padding, reduce_dtype), kept,
-                            {**_gradient_attrs(self, numel, padding, reduce_dtype), "mindzero_unit": tag})
+                            {**gradient_attrs(self, numel, padding, reduce_dtype), "mindzero_unit": tag})
 
 
 class SingleRank(Backend):
@@ -113,16 +116,16 @@ class SingleRank(Backend):
     name = SINGLE
 
     def gather(self, scope="op"):
-        return _Identity()
+        return Identity()
 
     def sum(self, scope="world"):
-        return _Identity()
+        return Identity()
 
     def reduce_scatter(self):
-        return _SumThenSlice(None, 0, 1)
+        return SumThenSlice(None, 0, 1)
 
     def fused_reduce_scatter(self):
-        return _FusedSumThenSlice(None, 0, 1)
+        return FusedSumThenSlice(None, 0, 1)
 
     def shard_gather(self, numel, padding, reduce_dtype=None):
         return None, None
@@ -140,22 +143,22 @@ class Emulated(Backend):
 
     def gather(self, scope="op"):
         if scope == "op" and self.world.hybrid:
-            return _GatherRows(self._world_gather(), self.world.world_size, self._rows_select())
+            return GatherRows(self._world_gather(), self.world.world_size, self._rows_select())
         return self._world_gather()
 
     def sum(self, scope="world"):
         if scope == "op" and self.world.hybrid:
-            return _SlotSum(self._world_sum(), self.world.dp_rank, self.world.dp_size)
+            return SlotSum(self._world_sum(), self.world.dp_rank, self.world.dp_size)
         return self._world_sum()
 
     def reduce_scatter(self):
-        return _SumThenSlice(self._world_sum(), self.world.op_rank, self.world.op_size)
+        return SumThenSlice(self._world_sum(), self.world.op_rank, self.world.op_size)
 
     def fused_reduce_scatter(self):
-        return _FusedSumThenSlice(self._world_sum(), self.world.op_rank, self.world.op_size)
+        return FusedSumThenSlice(self._world_sum(), self.world.op_rank, self.world.op_size)
 
     def shard_gather(self, numel, padding, reduce_dtype=None):
-        return _sum_then_slice_gather(self, numel, padding, reduce_dtype)
+        return sum_then_slice_gather(self, numel, padding, reduce_dtype)
 
     def host_gather(self):
         """A world all-gather, the op group's rows kept (in numpy)."""
@@ -170,7 +173,7 @@ class Emulated(Backend):
         return self._world_gather(), self.world.world_size, self._rows_select()
 
     def _port_bprop(self, numel, padding, reduce_dtype):
-        return _sum_then_slice_bprop(self, numel, padding, reduce_dtype, None)
+        return sum_then_slice_bprop(self, numel, padding, reduce_dtype, None)
 
 
 class Collectives(Backend):
@@ -201,15 +204,15 @@ class Collectives(Backend):
         return self._op("all_reduce") if scope == "op" and self.world.hybrid else self._world_sum()
 
     def reduce_scatter(self):
-        return _PadThenReduceScatter(self._op("reduce_scatter"), self._dp_sum())
+        return PadThenReduceScatter(self._op("reduce_scatter"), self._dp_sum())
 
     def fused_reduce_scatter(self):
-        return _FusedRowsReduceScatter(self._op("reduce_scatter"), self._dp_sum(), self.world.op_size,
+        return FusedRowsReduceScatter(self._op("reduce_scatter"), self._dp_sum(), self.world.op_size,
                                        self.reduce_scatter())
 
     def shard_gather(self, numel, padding, reduce_dtype=None):
         if self.world.op_size == 1:  # an op group of one rank has no reduce-scatter to run: sum over the world
-            return _sum_then_slice_gather(self, numel, padding, reduce_dtype)
+            return sum_then_slice_gather(self, numel, padding, reduce_dtype)
         return self._shard_gather(numel, padding, reduce_dtype)
 
     def _port_gather(self):
@@ -222,13 +225,13 @@ class Collectives(Backend):
         return gather, world.op_size, None
 
     def _port_bprop(self, numel, padding, reduce_dtype):
-        return _reduce_scatter_bprop(self._op("reduce_scatter"), self._dp_sum(), reduce_dtype, None,
+        return reduce_scatter_bprop(self._op("reduce_scatter"), self._dp_sum(), reduce_dtype, None,
                                      self.world.world_size)
 
     def _shard_gather(self, numel, padding, reduce_dtype):
         group = self.world.op_group if self.world.hybrid else self.world.world_group
         return make_shard_gather(self, group, numel, padding, reduce_dtype, None,
-                                 _reduce_scatter_bprop(self._op("reduce_scatter"), self._dp_sum(), reduce_dtype, None,
+                                 reduce_scatter_bprop(self._op("reduce_scatter"), self._dp_sum(), reduce_dtype, None,
                                                        self.world.world_size))
 
 
@@ -241,12 +244,12 @@ class Substituted(Collectives):
     name = SUBSTITUTE
 
     def _primitive(self, kind, group, ranks):
-        return _substitute(kind, self.world, tuple(ranks))
+        return substitute_primitive(kind, self.world, tuple(ranks))
 
     def _shard_gather(self, numel, padding, reduce_dtype):
         select = self._rows_select()
         return make_shard_gather(self, self.world.world_group, numel, padding, reduce_dtype, select,
-                                 _reduce_scatter_bprop(self._op("reduce_scatter"), self._dp_sum(), reduce_dtype,
+                                 reduce_scatter_bprop(self._op("reduce_scatter"), self._dp_sum(), reduce_dtype,
                                                        select, self.world.world_size))
 
 
@@ -261,153 +264,8 @@ def backend_of(world: World) -> Backend:
     return _OF_WORLD[world]
 
 
-# --- the stage-3 gather's backward on each backend ----------------------------------------------------------
-def _sum_then_slice_gather(backend: Backend, numel, padding, reduce_dtype):
-    """The gather over the world (hybrid: keeping the op group's rows) whose backward all-reduces the op
-    group's rows of the gradient, unpadded, over the world and keeps this rank's padded slice: exactly the
-    tensor plain data parallel all-reduces, so the result is bit-identical to stage 0's."""
-    world, select = backend.world, backend._rows_select()
-    bprop = _sum_then_slice_bprop(backend, numel, padding, reduce_dtype, select)
-    return make_shard_gather(backend, world.world_group, numel, padding, reduce_dtype, select, bprop)
-
-
-def _sum_then_slice_bprop(backend: Backend, numel, padding, reduce_dtype, select):
-    """The backward of :func:`_sum_then_slice_gather` (``select``: the op group's rows of a world gather's
-    gradient; ``None``: the gradient has the op group's rows only)."""
-    world = backend.world
-    total = backend._world_sum()
-    dtype = None if reduce_dtype is None else getattr(ms, reduce_dtype)
-    rows, op_rank, op_size = world.world_size, world.op_rank, world.op_size
-
-    def bprop(x, out, dout):
-        grad = dout
-        if dtype is not None:
-            grad = ops.cast(grad, dtype)
-        if select is not None:  # this op group's rows (the others are zero: the forward dropped them)
-            grad = ops.gather(grad.reshape((rows, -1)), select, 0).reshape((-1,))
-        if padding:
-            grad = grad[:numel]
-        return (_as_shard_dtype(own_shard(total(grad), padding, op_rank, op_size), x),)
-
-    return bprop
-
-
-def _reduce_scatter_bprop(reduce_scatter, dp_sum, reduce_dtype, select, rows):
-    """The gather's backward with a reduce-scatter: the gradient (``select``: the op group's rows of a world
-    gather) reduce-scattered over the op group, then (hybrid) summed over the dp group."""
-    dtype = None if reduce_dtype is None else getattr(ms, reduce_dtype)
-
-    def bprop(x, out, dout):
-        if dtype is not None:
-            dout = ops.cast(dout, dtype)
-        if select is not None:
-            dout = ops.gather(dout.reshape((rows, -1)), select, 0).reshape((-1,))
-        grad = reduce_scatter(dout)
-        if dp_sum is not None:
-            grad = dp_sum(grad)
-        return (_as_shard_dtype(grad, x),)
-
-    return bprop
-
-
-def _gradient_attrs(backend: Backend, numel, padding, reduce_dtype) -> dict:
-    """The attributes that tell one parameter's gradient primitive from another's (MindSpore caches a
-    primitive's gradient by name and attributes; see :func:`mindzero.comm.shard_gather.make_shard_gather`)."""
-    attrs = {"mindzero_numel": int(numel), "mindzero_padding": int(padding), "mindzero_backend": backend.name,
-             "mindzero_op_ranks": str(backend.world.op_ranks)}
-    if reduce_dtype is not None:
-        attrs["mindzero_reduce_dtype"] = str(reduce_dtype)
-    return attrs
-
-
-def _as_shard_dtype(grad, shard):
-    """A gradient reduced in 16 bits for an fp32 shard (``reduce_dtype`` without ``param_dtype``) widened back
-    after the collective: every read of a tied parameter then adds gradients of one dtype. (A wider reduction
-    of a ``param_dtype`` shard stays wide: the fp32 masters take it.)"""
-    if shard.dtype == ms.float32 and grad.dtype != ms.float32:
-        return ops.cast(grad, ms.float32)
-    return grad
-
-
-def _substitute(kind: str, world: World, ranks: tuple):
-    """A CPU-legal graph-mode function with the semantics of ``kind`` over the group of world ``ranks``:
-    every rank's tensor by one world all-gather, the group's rows taken in group order, summed in that order."""
-    gather, take = ops.AllGather(world.world_group), ops.Gather()
-    rows, size, index = world.world_size, len(ranks), ranks.index(world.world_rank)
-    members = Tensor(list(ranks), ms.int32)
-
-    def of_group(x):  # (size, x.size): every member's x, in group order
-        return take(gather(x.reshape((-1,))).reshape((rows, -1)), members, 0)
-
-    def total(parts):
-        acc = parts[0]
-        for k in range(1, size):
-            acc = acc + parts[k]
-        return acc
-
-    def all_gather(x):
-        if x.dtype == ms.int8:  # no int8 all-gather on CPU: the same bytes travel as int32 words
-            words = of_group(bytes_to_words(ops.cast(x, ms.int32))).reshape((-1,))
-            return ops.cast(words_to_bytes(words), ms.int8)
-        return of_group(x).reshape((-1,))
-
-    def all_reduce(x):
-        return total(of_group(x)).reshape(x.shape)
-
-    def reduce_scatter(x):
-        return total(of_group(x)).reshape((size, -1))[index]
-
-    return {"all_gather": all_gather, "all_reduce": all_reduce, "reduce_scatter": reduce_scatter}[kind]
-
-
-# --- the Cells the backends return --------------------------------------------------------------------------
-class _Identity(nn.Cell):
-    def construct(self, x):
-        return x
-
-
-class _GatherRows(nn.Cell):
-    """A world all-gather, then the rows of ``select`` (world ranks) in order."""
-
-    def __init__(self, gather, rows, select):
-        super().__init__(auto_prefix=False)
-        self.gather, self.rows, self.select, self.take = gather, rows, select, ops.Gather()
-
-    def construct(self, x):
-        y = self.gather(x)
-        return self.take(y.reshape((self.rows, -1)), self.select, 0).reshape((-1,))
-
-
-class _SlotSum(nn.Cell):
-    """An op-group sum from a world all-reduce: each replica writes ``x`` into its own slot of an
-    ``(R, ...)`` tensor of zeros, the all-reduce adds them, each rank keeps its replica's slot (exact;
-    ``R`` times the bytes of a real group all-reduce)."""
-
-    def __init__(self, total, dp_rank, dp_size):
-        super().__init__(auto_prefix=False)
-        self.total, self.dp_rank = total, dp_rank
-        self.slots = Tensor([1.0 if k == dp_rank else 0.0 for k in range(dp_size)], ms.float32)
-
-    def construct(self, x):
-        mask = ops.cast(self.slots, x.dtype).reshape((-1,) + (1,) * x.ndim)
-        return self.total(mask * ops.expand_dims(x, 0))[self.dp_rank]
-
-
-class _SumThenSlice(nn.Cell):
-    """``(x, padding)``: the sum over the world of the unpadded ``x`` (``total``; none in a world of one),
-    then this rank's padded slice. One instance serves every tensor (graph mode specializes it per shape)."""
-
-    def __init__(self, total, op_rank, op_size):
-        super().__init__(auto_prefix=False)
-        self.total, self.has_total, self.op_rank, self.op_size = total, total is not None, op_rank, op_size
-
-    def construct(self, x, padding):
-        if self.has_total:
-            x = self.total(x)
-        return own_shard(x, padding, self.op_rank, self.op_size)
-
-
-class _PadThenReduceScatter(nn.Cell):
+# --- the GPU/Ascend reduce-scatter Cells ----------------------------------------------------------------
+class PadThenReduceScatter(nn.Cell):
     """``(x, padding)``: ``x`` zero-padded, reduce-scattered over the op group, then (hybrid) summed over
     the dp group."""
 
@@ -422,26 +280,7 @@ class _PadThenReduceScatter(nn.Cell):
         return y
 
 
-class _FusedSumThenSlice(nn.Cell):
-    """A bucket: the unpadded tensors concatenated, one sum over the world (none in a world of one), then
-    this rank's padded slice of each."""
-
-    def __init__(self, total, op_rank, op_size):
-        super().__init__(auto_prefix=False)
-        self.single = _SumThenSlice(total, op_rank, op_size)
-        self.total, self.has_total, self.op_rank, self.op_size = total, total is not None, op_rank, op_size
-
-    def construct(self, tensors, bucket):
-        numels, paddings, shard_sizes, offsets = bucket
-        if len(tensors) == 1:
-            return (self.single(tensors[0].reshape((-1,)), paddings[0]),)
-        flat = flat_concat(tensors)
-        if self.has_total:
-            flat = self.total(flat)
-        return MAP(ops.partial(own_part, flat, self.op_rank, self.op_size), offsets, numels, paddings)
-
-
-class _FusedRowsReduceScatter(nn.Cell):
+class FusedRowsReduceScatter(nn.Cell):
     """A bucket in one ``ReduceScatter``: every tensor zero-padded and laid out as ``(G, shard_i)``, the rows
     concatenated per rank, so one reduce-scatter hands each rank its shard of every tensor (then, hybrid,
     one all-reduce over the dp group)."""

@@ -6,7 +6,8 @@ Every Cell here must be called by **every rank in the same order** (they are col
 from __future__ import annotations
 
 import mindspore as ms
-from mindspore import nn, ops
+import numpy as np
+from mindspore import Tensor, nn, ops
 
 from ..core.topology import World
 from .layout import MAP, flat_concat, flatten, reshape_as
@@ -139,3 +140,19 @@ def shared_cell(cls, world: World, scope: str = "world"):
     if key not in _SHARED:
         _SHARED[key] = cls(world, scope)
     return _SHARED[key]
+
+
+class Barrier:
+    """All ranks wait here; also agrees on a value chosen by rank 0 (a SUM in which the others add 0).
+    Called eagerly (host code such as checkpoint saves), by every rank in the same order."""
+
+    def __init__(self, world):
+        self.cell, self.rank = shared_cell(AllReduceSum, world), world.world_rank
+
+    def __call__(self, values=(0.0,)):
+        x = np.array(values, np.float32) if self.rank == 0 else np.zeros(len(values), np.float32)
+        return self.cell(Tensor(x)).asnumpy()
+
+    def count(self, flag: bool) -> int:
+        """How many ranks passed ``flag=True`` (every rank contributes; also a barrier)."""
+        return int(round(float(self.cell(Tensor(np.array([float(flag)], np.float32))).asnumpy()[0])))

@@ -66,8 +66,9 @@ def create_hybrid_groups(op_size: int, prefix: str = "mindzero") -> tuple:
     return names
 
 
-def resolve_world(optimizer_parallel_group, dp_group) -> World:
-    """The :class:`World` for ``prepare_train_network``'s group arguments, checked across all ranks.
+def _resolve_names(optimizer_parallel_group: str, dp_group: str) -> World:
+    """The :class:`World` of two group names (or ``None``; the types were checked by
+    :class:`~mindzero.core.config.GroupPolicy`), checked across all ranks.
 
     ``None`` (or the world group's name) for both: shard over the whole world. A sub-group as
     ``optimizer_parallel_group`` needs a ``dp_group`` (mindone's rule); together they must cut the
@@ -76,9 +77,8 @@ def resolve_world(optimizer_parallel_group, dp_group) -> World:
     every rank with the same message instead of deadlocking.
 
     Raises:
-        ValueError: a group argument that is not a name, or a layout error naming the groups.
+        ValueError: a layout error naming the groups.
     """
-    GroupPolicy(optimizer_parallel_group, dp_group)  # the types
     flat = current_world()
     for value, argument in ((optimizer_parallel_group, "optimizer_parallel_group"), (dp_group, "dp_group")):
         if value is not None and flat.world_size == 1:
@@ -165,9 +165,15 @@ def substitute_collectives():
 
 
 def world_for(groups: GroupPolicy) -> World:
-    """The :class:`World` of a train step's :class:`~mindzero.core.config.GroupPolicy`: the named groups
-    (:func:`resolve_world`), or ``hybrid_shard_size`` ranks per op group (made by :func:`create_hybrid_groups`)."""
+    """The :class:`World` of a train step's :class:`~mindzero.core.config.GroupPolicy` (validated there): the
+    named groups, or ``hybrid_shard_size`` ranks per op group (made by :func:`create_hybrid_groups`), checked
+    across all ranks (:func:`_resolve_names`).
+
+    Raises:
+        ValueError: a group name given without ``init()``, or groups that do not cut the world into replicas
+            of equal op groups (naming the groups).
+    """
     size = groups.hybrid_shard_size
     if size is not None and size != current_world().world_size:  # the whole world is no hybrid layout
-        return resolve_world(*create_hybrid_groups(size))
-    return resolve_world(groups.optimizer_parallel_group, groups.dp_group)
+        return _resolve_names(*create_hybrid_groups(size))
+    return _resolve_names(groups.optimizer_parallel_group, groups.dp_group)

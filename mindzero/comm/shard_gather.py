@@ -12,9 +12,12 @@ built, registered for this class.
 """
 from __future__ import annotations
 
+import mindspore as ms
 from mindspore import nn, ops
 from mindspore.ops._grad_experimental.grad_base import bprop_getters
 from mindspore.ops.operations.other_ops import StopGradient
+
+from .layout import own_shard
 
 
 class ShardGather(ops.AllGather):
@@ -130,3 +133,71 @@ class UnitGather(nn.Cell):
         if self.has_select:
             got = self.take(got, self.select, 0)
         return self.stop(got)
+
+
+# --- the gather's backward on each backend (built by mindzero.comm.backends) -----------------------------
+def sum_then_slice_gather(backend, numel, padding, reduce_dtype):
+    """The gather over the world (hybrid: keeping the op group's rows) whose backward all-reduces the op
+    group's rows of the gradient, unpadded, over the world and keeps this rank's padded slice: exactly the
+    tensor plain data parallel all-reduces, so the result is bit-identical to stage 0's."""
+    world, select = backend.world, backend._rows_select()
+    bprop = sum_then_slice_bprop(backend, numel, padding, reduce_dtype, select)
+    return make_shard_gather(backend, world.world_group, numel, padding, reduce_dtype, select, bprop)
+
+
+def sum_then_slice_bprop(backend, numel, padding, reduce_dtype, select):
+    """The backward of :func:`sum_then_slice_gather` (``select``: the op group's rows of a world gather's
+    gradient; ``None``: the gradient has the op group's rows only)."""
+    world = backend.world
+    total = backend._world_sum()
+    dtype = None if reduce_dtype is None else getattr(ms, reduce_dtype)
+    rows, op_rank, op_size = world.world_size, world.op_rank, world.op_size
+
+    def bprop(x, out, dout):
+        grad = dout
+        if dtype is not None:
+            grad = ops.cast(grad, dtype)
+        if select is not None:  # this op group's rows (the others are zero: the forward dropped them)
+            grad = ops.gather(grad.reshape((rows, -1)), select, 0).reshape((-1,))
+        if padding:
+            grad = grad[:numel]
+        return (as_shard_dtype(own_shard(total(grad), padding, op_rank, op_size), x),)
+
+    return bprop
+
+
+def reduce_scatter_bprop(reduce_scatter, dp_sum, reduce_dtype, select, rows):
+    """The gather's backward with a reduce-scatter: the gradient (``select``: the op group's rows of a world
+    gather) reduce-scattered over the op group, then (hybrid) summed over the dp group."""
+    dtype = None if reduce_dtype is None else getattr(ms, reduce_dtype)
+
+    def bprop(x, out, dout):
+        if dtype is not None:
+            dout = ops.cast(dout, dtype)
+        if select is not None:
+            dout = ops.gather(dout.reshape((rows, -1)), select, 0).reshape((-1,))
+        grad = reduce_scatter(dout)
+        if dp_sum is not None:
+            grad = dp_sum(grad)
+        return (as_shard_dtype(grad, x),)
+
+    return bprop
+
+
+def gradient_attrs(backend, numel, padding, reduce_dtype) -> dict:
+    """The attributes that tell one parameter's gradient primitive from another's (MindSpore caches a
+    primitive's gradient by name and attributes; see :func:`mindzero.comm.shard_gather.make_shard_gather`)."""
+    attrs = {"mindzero_numel": int(numel), "mindzero_padding": int(padding), "mindzero_backend": backend.name,
+             "mindzero_op_ranks": str(backend.world.op_ranks)}
+    if reduce_dtype is not None:
+        attrs["mindzero_reduce_dtype"] = str(reduce_dtype)
+    return attrs
+
+
+def as_shard_dtype(grad, shard):
+    """A gradient reduced in 16 bits for an fp32 shard (``reduce_dtype`` without ``param_dtype``) widened back
+    after the collective: every read of a tied parameter then adds gradients of one dtype. (A wider reduction
+    of a ``param_dtype`` shard stays wide: the fp32 masters take it.)"""
+    if shard.dtype == ms.float32 and grad.dtype != ms.float32:
+        return ops.cast(grad, ms.float32)
+    return grad

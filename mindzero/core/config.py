@@ -259,7 +259,7 @@ class GroupPolicy:
     """Which ranks shard together: ``None`` everywhere (the whole world), the names of this rank's op and dp
     groups (hybrid sharding), or, from a settings file, ``hybrid_shard_size`` (ranks per op group: the
     groups are made by :func:`mindzero.create_hybrid_groups`). Whether the names fit the world is checked
-    across ranks when the world is resolved (:func:`mindzero.comm.resolve_world`)."""
+    across ranks when the world is resolved (:func:`mindzero.comm.groups.world_for`)."""
 
     optimizer_parallel_group: Optional[str] = None
     dp_group: Optional[str] = None

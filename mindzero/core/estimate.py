@@ -33,7 +33,8 @@ import sys
 from .config import MixedPrecision, stage_policy
 from .memory import KINDS, expected_bytes
 from .checks import is_int, require_int
-from .plan import ParamInfo, PartitionPlan, param_infos
+from .introspect import param_infos
+from .plan import ParamInfo, PartitionPlan
 from .quant import GatherQuantization
 
 # per-parameter state tensors of each optimizer (as mindzero's memory report counts them)

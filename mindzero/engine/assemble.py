@@ -11,7 +11,8 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from ..core.comm_plan import state_calls, step_buckets
 from ..core.config import LossScale, ZeroConfig
-from ..core.plan import PartitionPlan, param_infos
+from ..core.introspect import param_infos
+from ..core.plan import PartitionPlan
 from ..core.state import MasterPair, ParamState, ZeroState
 from ..core.topology import World
 from .consistency import check_same_plan, check_same_values
@@ -38,9 +39,8 @@ def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
     plan = build_plan(network, optimizer, world, config)
     check_same_plan(plan, world, config.zero_stage)
     params = _param_states(optimizer, plan, config)
-    digests, units = {}, []
-    state_attrs = _shard_state(network, optimizer, config, world, plan, params, digests, units)
-    check_same_values(plan, digests, world)
+    sharded = _shard_state(network, optimizer, config, world, plan, params)
+    check_same_values(plan, sharded.digests, world)
     _accumulation_buffers(config, params)
     micro, boundary, gather = step_buckets(params, policy, config.fusion)
     scale_sense, manager = _loss_scale(config.loss_scale)
@@ -49,8 +49,8 @@ def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
         ema = ZeroEMA([ps.weight for ps in params], config.ema.decay, config.ema.updates,
                       ms.float32 if precision.enabled else None)
     regather = config.stage3_regather and ms.get_context("mode") == ms.GRAPH_MODE
-    state = ZeroState(config, world, plan, params, micro, boundary, gather, tuple(state_attrs), scale_sense, manager,
-                      ema, regather, tuple(units))
+    state = ZeroState(config, world, plan, params, micro, boundary, gather, sharded.state_attrs, scale_sense, manager,
+                      ema, regather, tuple(sharded.units))
     state.calls, state.real_calls = state_calls(state)
     return state
 
@@ -83,29 +83,34 @@ def _param_states(optimizer, plan: PartitionPlan, config: ZeroConfig) -> tuple:
     return tuple(out)
 
 
-def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: PartitionPlan, params: tuple,
-                 digests: dict, units: list) -> tuple:
+@dataclasses.dataclass
+class _Sharded:
+    """What :func:`_shard_state` did: the optimizer's state-tuple attribute names, the CRC-32 of every full value
+    it computed (for the cross-rank check) and stage 3's gather units (parameter names)."""
+
+    state_attrs: tuple
+    digests: dict
+    units: list
+
+
+def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: PartitionPlan, params: tuple) -> _Sharded:
     """Fill each :class:`ParamState`'s weight, target and master: stage 3: network parameters become shards;
     stages 1-2: master shards, all-gathered back after the update; stages 1-3: the optimizer is re-pointed at
     shards; mixed precision: every optimized parameter gets an fp32 master (its stage 1-2 master shard, else a
     copy of what the network holds), which the optimizer updates, and the network's copy is cast to
     ``param_dtype``. Lazily built Parameters (:func:`mindzero.lazy_init`) are materialised one tensor at a
-    time: shards where the stage shards, full values where it keeps them; ``digests`` receives the CRC32 of
-    every full value computed; ``units`` receives stage 3's gather units (parameter names).
-
-    Returns:
-        the optimizer's state-tuple attribute names.
+    time: shards where the stage shards, full values where it keeps them.
     """
     policy, precision = config.policy, config.precision
     specs = {s.name: s for s in plan}
+    digests, units = {}, []
     if policy.shard_parameters:
         check_pynative_recompute(network, specs)
-        shards = shard_network_parameters(network, specs, world, config.stage3_regather, digests,
-                                          precision.reduce_in, config.gather_quantization, config.gather_units,
-                                          units)
+        done = shard_network_parameters(network, specs, world, config)
+        digests, units = done.digests, done.units
         for ps in params:
             if ps.sharded:  # the network holds the shard now; keep no reference to the full Parameter
-                ps.weight = ps.target = shards[ps.name]
+                ps.weight = ps.target = done.shards[ps.name]
                 ps.param = None
     elif policy.shard_optimizer_states:
         for ps in params:
@@ -132,7 +137,7 @@ def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: Par
         for ps in params:
             if ps.spec.dtype == precision.param_dtype:
                 ps.weight.set_dtype(getattr(ms, ps.spec.dtype))
-    return tuple(state_attrs)
+    return _Sharded(tuple(state_attrs), digests, units)
 
 
 def _accumulation_buffers(config: ZeroConfig, params: tuple) -> None:

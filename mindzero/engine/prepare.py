@@ -76,7 +76,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
         shard_frozen: stage 3 also shards the parameters the optimizer does not update and the network only
             reads (a frozen backbone; adapter fine-tuning): gathered like the others, with no gradient
             reduction. Buffers the network writes (BatchNorm's statistics, a Parameter a Cell assigns to:
-            :func:`mindzero.core.plan.written_buffers`) stay per rank. ``False``: every frozen parameter is
+            :func:`mindzero.core.introspect.written_buffers`) stay per rank. ``False``: every frozen parameter is
             kept whole on every rank.
         gather_quantization: stage 3 only: ``None`` (exact gathers), ``"int8"`` or a mapping ``{"kind": "int8",
             "block_size": 256, "min_numel": 65536, "exclude": ["*bias*", "*norm*", ...]}``: the forward and

@@ -24,6 +24,8 @@ all-gather, so it must be done on all ranks.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import mindspore as ms
 from mindspore import nn, ops
 
@@ -214,33 +216,37 @@ def check_pynative_recompute(network: nn.Cell, specs: dict) -> None:
                              "(the target), or do not call recompute() on it")
 
 
-def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regather: bool = True,
-                             digests=None, reduce_dtype=None, quantization=None, units=None,
-                             units_out=None) -> dict:
+@dataclass
+class ShardedNetwork:
+    """What :func:`shard_network_parameters` did: ``shards`` (parameter name -> shard Parameter, one per full
+    Parameter, shared by tied uses), ``digests`` (name -> CRC-32 of each full value it computed, for the
+    cross-rank check) and ``units`` (the parameter names of each gather unit formed, for the plan's calls)."""
+
+    shards: dict = field(default_factory=dict)
+    digests: dict = field(default_factory=dict)
+    units: list = field(default_factory=list)
+
+
+def shard_network_parameters(network: nn.Cell, specs: dict, world: World, config) -> ShardedNetwork:
     """Stage 3: replace every sharded Parameter of ``network`` by its shard, in place.
 
     Args:
         network: the user's Cell.
         specs: parameter name -> :class:`ShardSpec`; only ``sharded`` specs are touched.
         world: the op group.
-        regather: graph mode: mark each gather's primitives for recompute, so backward all-gathers
-            the parameter again instead of keeping the full value alive from forward (peak gathered
-            memory about one layer's parameters instead of the whole model's; docs/performance.md).
-            PyNative ignores it (its recompute loses the gather's ``bprop``).
-        digests: receives the CRC32 of each full value computed (see :func:`make_shard`).
-        reduce_dtype: the dtype (name) the gathers' backward reduces gradients in (``None``: the shard's).
-        quantization: ``None``, or the :class:`~mindzero.core.quant.GatherQuantization` deciding which
-            parameters' gathers send int8 values with fp32 block scales.
-        units: ``None``, or the :class:`~mindzero.core.units.GatherUnits` deciding which parameters share one
-            all-gather (graph mode only).
-        units_out: a list that receives the parameter names of each unit formed (for the plan's calls).
-
-    Returns:
-        parameter name -> shard Parameter (one per full Parameter, shared by tied uses).
+        config: the :class:`~mindzero.core.config.ZeroConfig`; read here: ``stage3_regather`` (graph mode: mark
+            each gather's primitives for recompute, so backward all-gathers the parameter again instead of
+            keeping the full value alive from forward; PyNative ignores it, its recompute loses the gather's
+            ``bprop``), ``precision.reduce_in`` (the dtype the gathers' backward reduces gradients in),
+            ``gather_quantization`` (which parameters' gathers send int8 values with fp32 block scales) and
+            ``gather_units`` (which parameters share one all-gather; graph mode only).
 
     Raises:
-        ValueError: ``units`` in PyNative mode.
+        ValueError: ``gather_units`` in PyNative mode.
     """
+    regather, reduce_dtype = config.stage3_regather, config.precision.reduce_in
+    quantization, units = config.gather_quantization, config.gather_units
+    out = ShardedNetwork()
     graph_mode = ms.get_context("mode") == ms.GRAPH_MODE
     if units is not None and not graph_mode:
         raise ValueError(f"gather_units={units.as_setting()!r} needs GRAPH_MODE: PyNative runs every read's gather "
@@ -251,7 +257,7 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regath
             else None
 
     unit_of = _unit_members(network, specs, units, quant_block) if units is not None else {}
-    shards = {}
+    shards = out.shards
     gathers = {}  # GatherFull.key -> GatherFull, shared by every parameter with that shape and reading dtype
     members = {}  # unit index -> [(name, GatherFull)], in unit order
     for _, cell in network.cells_and_names():
@@ -261,7 +267,7 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regath
                 continue
             spec = specs[param.name]
             if param.name not in shards:
-                shards[param.name] = make_shard(param, spec, param.name, param.requires_grad, digests)
+                shards[param.name] = make_shard(param, spec, param.name, param.requires_grad, out.digests)
             dtype = compute_dtype(cell)
             block = quant_block(param.name, spec)
             key = ("unit", param.name) if param.name in unit_of else GatherFull.key(spec, dtype, block)
@@ -280,8 +286,7 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regath
         gather = backend.unit_gather([shards[name] for name, _ in unit])
         if gather is None:  # nothing is gathered (an op group of one rank): each reads its own, as without units
             continue
-        if units_out is not None:
-            units_out.append(tuple(name for name, _ in unit))
+        out.units.append(tuple(name for name, _ in unit))
         for (name, reader), offset in zip(unit, gather.offsets):
             spec, shard = specs[name], shards[name]
             port = backend.gradient_port(spec.numel, spec.padding, reduce_dtype, gather.kept,
@@ -290,7 +295,7 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, regath
     if regather and graph_mode:
         for reader in gathers.values():
             reader.regather()
-    return shards
+    return out
 
 
 def _unit_members(network: nn.Cell, specs: dict, units, quant_block) -> dict:

@@ -11,15 +11,16 @@ and the README's main command.
 """
 import argparse
 import os
-import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from .logs import first_failure, log_tail, log_text, rank_log, rank_output, record_ranks
 
 # the directory holding this mindzero package (a source checkout or site-packages): workers import this copy
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
@@ -80,91 +81,18 @@ class MemoryWatch:
     peak_rss: int = 0
 
 
-class MemoryLimitExceeded(AssertionError):
+class LaunchError(RuntimeError):
+    """A launched job failed: a rank exited with an error or did not finish, or the launch timed out; the
+    message names the rank that failed first and carries its log tail."""
+
+
+class MemoryLimitExceeded(LaunchError):
     """The job's processes together held more RSS than its :class:`MemoryWatch` limit; every process was
     killed."""
 
     def __init__(self, message: str, peak: int):
         super().__init__(message)
         self.peak = peak
-
-
-def _record_ranks(pids, ranks: dict) -> None:
-    """Remember which process is which rank (from the RANK_ID / OMPI_COMM_WORLD_RANK each one was given)."""
-    import psutil
-
-    for pid in pids:
-        try:
-            children = psutil.Process(pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            continue
-        for child in children:
-            if child.pid in ranks:
-                continue
-            try:
-                env = child.environ()
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            rank = env.get("RANK_ID") or env.get("OMPI_COMM_WORLD_RANK")
-            if rank is not None and env.get("MS_ROLE", "MS_WORKER") == "MS_WORKER":
-                ranks[child.pid] = int(rank)
-
-
-def rank_log(out_dir, rank: int) -> Path:
-    """The file holding what ``rank`` printed (msrun: ``worker_<r>.log``; mpirun: ``rank.<r>/stdout``)."""
-    logs = Path(out_dir) / "logs"
-    for path in (logs / f"worker_{rank}.log", *logs.glob(f"node*/worker_{rank}.log"),
-                 *logs.glob(f"mpi/*/rank.{rank}/stdout")):
-        if path.exists():
-            return path
-    return logs / f"worker_{rank}.log"
-
-
-def _log_text(out_dir, rank: int) -> str:
-    path = rank_log(out_dir, rank)
-    text = path.read_text(errors="replace") if path.exists() else ""
-    err = path.with_name("stderr")
-    if path.name == "stdout" and err.exists():
-        text += err.read_text(errors="replace")
-    return text
-
-
-def _tail(out_dir, rank: int, lines: int = 60) -> str:
-    text = _log_text(out_dir, rank).splitlines()
-    if not text:
-        return f"(no log at {rank_log(out_dir, rank)})"
-    keep = [l for l in text if not l.startswith(("[WARNING]", "[INFO]"))] or text
-    return "\n".join(keep[-lines:])
-
-
-_MSRUN_EXIT = re.compile(r"\):(\d{4}-\d\d-\d\d-\d\d:\d\d:\d\d\.\d+).*Worker process (\d+) exit with exception\. "
-                         r"Error code: (-?\d+)")
-_MPI_SIGNAL = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
-_MPI_EXIT = re.compile(r"Process name:\s*\[\[\d+,\d+\],(\d+)\]\s*Exit code:\s*(\d+)")
-
-
-def first_failure(launcher_out: str, pid_ranks: dict):
-    """``(rank, how)`` of the rank that failed first according to the launchers' own reports, or None.
-
-    msrun logs ``Worker process PID exit with exception. Error code: C`` (C < 0: killed by signal -C),
-    stamped with the time; mpirun names the rank itself.
-    """
-    seen = []
-    for stamp, pid, code in _MSRUN_EXIT.findall(launcher_out):
-        if int(pid) in pid_ranks:
-            code = int(code)
-            how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-            seen.append((stamp, pid_ranks[int(pid)], how))
-    if seen:
-        _, rank, how = min(seen)
-        return rank, how
-    m = _MPI_SIGNAL.search(launcher_out)
-    if m:
-        return int(m.group(1)), f"killed by signal {m.group(2)}"
-    m = _MPI_EXIT.search(launcher_out)
-    if m:
-        return int(m.group(1)), f"exit status {m.group(2)}"
-    return None
 
 
 def _env(extra=None) -> dict:
@@ -177,6 +105,7 @@ def _env(extra=None) -> dict:
 
 
 def _commands(launcher, script, world_size, nodes, out_dir, args, env):
+    """The launcher command lines (one per msrun "node"); ``env`` receives mpirun's scheduler port."""
     port = free_port()
     tail = [str(script), "--out", str(out_dir), *map(str, args)]
     logs = out_dir / "logs"
@@ -212,90 +141,121 @@ def _lost_scheduler_race(out_dir, node: int, node_out: str) -> bool:
             and "Worker process" not in node_out and "Scheduler process" in node_out)
 
 
-def launch(script, world_size: int, out_dir, args=(), timeout: float = 900.0, nodes: int = 1,
-           launcher: str = "msrun", env=None, memory: MemoryWatch = None) -> Path:
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How :func:`launch` runs a job: ``launcher`` (``msrun`` or ``mpirun``), ``nodes`` (msrun invocations on
+    loopback, one per "node", ``--node_rank``), ``env`` (added environment variables, e.g. ``MS_NODE_TIMEOUT``)
+    and ``memory`` (a :class:`MemoryWatch` that receives the job's peak RSS and kills it above its limit)."""
+
+    launcher: str = "msrun"
+    nodes: int = 1
+    env: Optional[dict] = None
+    memory: Optional[MemoryWatch] = None
+
+    def __post_init__(self):
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher={self.launcher!r}: must be one of {LAUNCHERS}")
+        if not isinstance(self.nodes, int) or self.nodes < 1:
+            raise ValueError(f"nodes={self.nodes!r}: must be an int >= 1")
+
+
+@dataclass
+class _Job:
+    """A started job: its launcher processes, their output files, and what supervision learnt."""
+
+    procs: list
+    outs: list
+    start: float
+    pid_ranks: dict = field(default_factory=dict)
+    timed_out: bool = False
+
+
+def launch(script, world_size: int, out_dir, args=(), timeout: float = 900.0, **options) -> Path:
     """Run ``script`` on ``world_size`` local ranks; return ``out_dir`` once every rank wrote its done-marker.
 
-    ``nodes > 1`` (msrun) starts one msrun per "node" on loopback (``--node_rank``), as on a real
-    cluster; ``launcher="mpirun"`` starts ``mpirun -n N python -m mindzero.launch SCRIPT``.
-    ``env`` adds environment variables (e.g. ``MS_NODE_TIMEOUT``). ``memory``: a :class:`MemoryWatch`
-    that receives the job's peak RSS and kills the job above its limit.
+    ``options`` are :class:`LaunchOptions`' fields: ``nodes > 1`` (msrun) starts one msrun per "node" on
+    loopback, as on a real cluster; ``launcher="mpirun"`` starts ``mpirun -n N python -m mindzero.launch SCRIPT``;
+    ``env`` adds environment variables; ``memory`` watches the job's RSS.
 
     Raises:
-        MemoryLimitExceeded: the job exceeded ``memory_limit``.
-        AssertionError: a rank failed, the launch timed out (all processes are killed), or a rank
-            did not finish; the message names the rank that failed first and carries its log tail.
+        MemoryLimitExceeded: the job exceeded its memory limit (every process was killed).
+        LaunchError: a rank failed, the launch timed out (all processes are killed), or a rank did not
+            finish; the message names the rank that failed first and carries its log tail.
     """
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"launcher={launcher!r}: must be one of {LAUNCHERS}")
+    how = LaunchOptions(**options)
     out_dir = Path(out_dir)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("rank_*.done"):  # a previous launch's markers must not pass for this one's
         stale.unlink()
-    env = _env(env)
-    cmds = _commands(launcher, script, world_size, nodes, out_dir, args, env)
-    start = time.time()
+    env = _env(how.env)
+    cmds = _commands(how.launcher, script, world_size, how.nodes, out_dir, args, env)
     outs = [open(out_dir / "logs" / f"launcher_{i}.out", "w") for i in range(len(cmds))]
-    procs = [subprocess.Popen(cmd, cwd=out_dir, env=env, stdout=o, stderr=subprocess.STDOUT,
-                              start_new_session=True, text=True) for cmd, o in zip(cmds, outs)]
-    pid_ranks, timed_out, failed_at, peak = {}, False, None, 0
-    while any(p.poll() is None for p in procs):
-        _record_ranks([p.pid for p in procs], pid_ranks)
-        if memory is not None:
-            peak = memory.peak_rss = max(peak, tree_rss([p.pid for p in procs]))
-            if memory.limit is not None and peak > memory.limit:
-                for p in procs:
-                    _kill_tree(p.pid)
-                for p, o in zip(procs, outs):
-                    p.wait()
-                    o.close()
-                raise MemoryLimitExceeded(f"{launcher} {Path(script).name} on {world_size} ranks: the job held "
-                                          f"{peak / 2 ** 30:.2f} GiB of RSS, over the limit of "
-                                          f"{memory.limit / 2 ** 30:.2f} GiB, after {time.time() - start:.0f}s; "
-                                          "every process was killed", peak)
-        now = time.time()
-        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-            failed_at = now
-        if now - start > timeout or (failed_at is not None and now - failed_at > GRACE):
-            timed_out = now - start > timeout
-            for p in procs:
-                _kill_tree(p.pid)
-            break
-        time.sleep(0.5)
-    for p, o in zip(procs, outs):
-        p.wait()
-        o.close()
+    job = _Job([subprocess.Popen(cmd, cwd=out_dir, env=env, stdout=o, stderr=subprocess.STDOUT,
+                                 start_new_session=True, text=True) for cmd, o in zip(cmds, outs)], outs, time.time())
+    _supervise(job, timeout, how.memory, f"{how.launcher} {Path(script).name} on {world_size} ranks")
     texts = [(out_dir / "logs" / f"launcher_{i}.out").read_text(errors="replace") for i in range(len(cmds))]
-    launcher_out = "\n".join(texts)
     codes = [0 if p.returncode and _lost_scheduler_race(out_dir, i, text) else p.returncode
-             for i, (p, text) in enumerate(zip(procs, texts))]
+             for i, (p, text) in enumerate(zip(job.procs, texts))]
     missing = [r for r in range(world_size) if not (out_dir / f"rank_{r}.done").exists()]
-    if timed_out or any(codes) or missing:
-        first = first_failure(launcher_out, pid_ranks)
-        if first is None:  # fall back to the rank that raised, not a bystander waiting for it
-            raised = [r for r in range(world_size) if "Traceback" in _log_text(out_dir, r)]
-            first = ((raised or missing or [0])[0], "raised" if raised else "did not finish")
-        bad, how = first
-        why = f"timed out after {timeout:.0f}s" if timed_out else f"exit status {codes}"
-        raise AssertionError(
-            f"{launcher} {Path(script).name} on {world_size} ranks failed after {time.time() - start:.0f}s "
-            f"({why}; ranks without results: {missing}); rank {bad} failed first ({how}).\n"
-            f"--- log tail of rank {bad} ({rank_log(out_dir, bad)}) ---\n{_tail(out_dir, bad)}\n"
-            f"--- {launcher} output ---\n{launcher_out[-3000:]}")
-    print(f"{launcher} {Path(script).name} x{world_size}" + (f" on {nodes} nodes" if nodes > 1 else "")
-          + f": {time.time() - start:.0f}s")
+    if job.timed_out or any(codes) or missing:
+        launcher_out = "\n".join(texts)
+        bad, how_failed = _first_to_fail(out_dir, world_size, launcher_out, job.pid_ranks, missing)
+        why = f"timed out after {timeout:.0f}s" if job.timed_out else f"exit status {codes}"
+        raise LaunchError(
+            f"{how.launcher} {Path(script).name} on {world_size} ranks failed after {time.time() - job.start:.0f}s "
+            f"({why}; ranks without results: {missing}); rank {bad} failed first ({how_failed}).\n"
+            f"--- log tail of rank {bad} ({rank_log(out_dir, bad)}) ---\n{log_tail(out_dir, bad)}\n"
+            f"--- {how.launcher} output ---\n{launcher_out[-3000:]}")
+    print(f"{how.launcher} {Path(script).name} x{world_size}" + (f" on {how.nodes} nodes" if how.nodes > 1 else "")
+          + f": {time.time() - job.start:.0f}s")
     return out_dir
 
 
-def msrun(script, world_size: int, out_dir, args=(), timeout: float = 900.0, **kw) -> Path:
-    """:func:`launch` with msrun on one node."""
-    return launch(script, world_size, out_dir, args, timeout, launcher="msrun", **kw)
+def _supervise(job: _Job, timeout: float, memory: Optional[MemoryWatch], what: str) -> None:
+    """Wait for ``job``'s launchers: record which process is which rank, watch the memory, and kill every
+    process at the timeout, ``GRACE`` seconds after a launcher failed, or above the memory limit."""
+    failed_at, peak, pids = None, 0, [p.pid for p in job.procs]
+    while any(p.poll() is None for p in job.procs):
+        record_ranks(pids, job.pid_ranks)
+        if memory is not None:
+            peak = memory.peak_rss = max(peak, tree_rss(pids))
+            if memory.limit is not None and peak > memory.limit:
+                _end(job, kill=True)
+                raise MemoryLimitExceeded(f"{what}: the job held {peak / 2 ** 30:.2f} GiB of RSS, over the limit of "
+                                          f"{memory.limit / 2 ** 30:.2f} GiB, after {time.time() - job.start:.0f}s; "
+                                          "every process was killed", peak)
+        now = time.time()
+        if failed_at is None and any(p.poll() not in (None, 0) for p in job.procs):
+            failed_at = now
+        if now - job.start > timeout or (failed_at is not None and now - failed_at > GRACE):
+            job.timed_out = now - job.start > timeout
+            break
+        time.sleep(0.5)
+    _end(job, kill=any(p.poll() is None for p in job.procs))
 
 
-def rank_output(out_dir, rank: int = 0) -> str:
-    """What ``rank`` printed, without MindSpore's log lines."""
-    return "\n".join(l for l in _log_text(out_dir, rank).splitlines()
-                     if not l.startswith(("[WARNING]", "[INFO]", "[ERROR]", "[DEBUG]")))
+def _end(job: _Job, kill: bool) -> None:
+    if kill:
+        for p in job.procs:
+            _kill_tree(p.pid)
+    for p, o in zip(job.procs, job.outs):
+        p.wait()
+        o.close()
+
+
+def _first_to_fail(out_dir, world_size: int, launcher_out: str, pid_ranks: dict, missing: list) -> tuple:
+    """``(rank, how)``: the launchers' own report (:func:`first_failure`), else the rank that raised, else the
+    first rank without results (not a bystander waiting for it)."""
+    first = first_failure(launcher_out, pid_ranks)
+    if first is None:
+        raised = [r for r in range(world_size) if "Traceback" in log_text(out_dir, r)]
+        first = ((raised or missing or [0])[0], "raised" if raised else "did not finish")
+    return first
+
+
+def msrun(script, world_size: int, out_dir, args=(), timeout: float = 900.0, **options) -> Path:
+    """:func:`launch` with msrun."""
+    return launch(script, world_size, out_dir, args, timeout, launcher="msrun", **options)
 
 
 def main(argv=None):
@@ -312,8 +272,8 @@ def main(argv=None):
     # ranks run with OUT as working directory (MindSpore drops its dumps there): absolute paths for files
     args = [str(Path(x).resolve()) if not x.startswith("-") and Path(x).exists() else x for x in a.args]
     try:
-        launch(Path(a.script).resolve(), a.nproc, out, args, a.timeout, a.nodes, a.launcher)
-    except AssertionError as err:
+        launch(Path(a.script).resolve(), a.nproc, out, args, a.timeout, nodes=a.nodes, launcher=a.launcher)
+    except LaunchError as err:
         print(err, file=sys.stderr)
         return 1
     print(rank_output(out, 0))

@@ -8,7 +8,8 @@ import pytest
 
 import mindzero
 from mindzero.checkpoint.tensor_io import open_reader
-from mindzero.launch.local import msrun, rank_output
+from mindzero.launch.local import LaunchError, msrun
+from mindzero.launch.logs import rank_output
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -81,7 +82,7 @@ def test_resume_continues_exactly(full, resumed):
 
 def test_no_resume_refuses_existing_checkpoints(resumed, tmp_path):
     out = resumed[0]
-    with pytest.raises(AssertionError, match="already holds checkpoints and --no-resume was given"):
+    with pytest.raises(LaunchError, match="already holds checkpoints and --no-resume was given"):
         msrun(SCRIPT, 2, out, ["--config", CONFIG, "--stage", "2", "--no-resume"], timeout=300,
               env={"MS_NODE_TIMEOUT": "10"})
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mindzero.launch.local import launch
+from mindzero.launch.local import LaunchError, launch
 from tests.support.compare import Results, assert_parity_checks, assert_same_run
 from tests.support.scenarios import parity_scenarios
 
@@ -56,7 +56,7 @@ def test_training_equals_plain_data_parallel(run, stage):
 def test_dead_rank_ends_the_job_naming_it(tmp_path, launcher, nodes, n, victim, mode):
     if launcher == "mpirun" and shutil.which("mpirun") is None:
         pytest.fail("mpirun not found: scripts/setup_env.sh installs Debian's openmpi-bin")
-    with pytest.raises(AssertionError) as err:
+    with pytest.raises(LaunchError) as err:
         launch(WORKERS / "worker_fail.py", n, tmp_path, ["--mode", mode, "--victim", victim], timeout=600,
                nodes=nodes, launcher=launcher, env={"MS_NODE_TIMEOUT": str(NODE_TIMEOUT)})
     took = time.time() - float((tmp_path / f"rank_{victim}" / "death").read_text())

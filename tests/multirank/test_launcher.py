@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from mindzero.launch.local import free_port, msrun
+from mindzero.launch.local import LaunchError, free_port, msrun
 
 from . import WORKERS
 
@@ -13,7 +13,7 @@ def test_free_ports_differ():
 
 
 def test_failing_rank_shows_its_log(tmp_path):
-    with pytest.raises(AssertionError) as err:
+    with pytest.raises(LaunchError) as err:
         # the survivor waits in a collective until MindSpore's scheduler declares the raised rank dead
         # (MS_NODE_TIMEOUT, default 30 s): 10 s keeps the test short
         msrun(WORKERS / "worker_fail.py", 2, tmp_path, ["--mode", "raise"], timeout=300, env={"MS_NODE_TIMEOUT": "10"})
@@ -26,7 +26,7 @@ def test_hanging_rank_is_killed_at_the_timeout(tmp_path):
     import psutil
 
     start = time.time()
-    with pytest.raises(AssertionError, match=r"timed out after 30s; ranks without results: \[0, 1\]"):
+    with pytest.raises(LaunchError, match=r"timed out after 30s; ranks without results: \[0, 1\]"):
         msrun(WORKERS / "worker_fail.py", 2, tmp_path, ["--mode", "hang"], timeout=30)
     assert time.time() - start < 90
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]

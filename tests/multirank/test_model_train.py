@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from mindzero.launch.local import msrun, rank_output
+from mindzero.launch.local import msrun
+from mindzero.launch.logs import rank_output
 from tests.support.compare import load_npz
 
 from . import WORKERS

@@ -21,7 +21,7 @@ import numpy as np
 
 import mindzero
 import mindzero.checkpoint.save as zc
-from mindzero.checkpoint.live import _Barrier
+from mindzero.comm.cells import Barrier
 from tests.support.data import batch
 from tests.support.models import build, make_optimizer
 from tests.support.worker import start
@@ -119,7 +119,7 @@ def main():
             report[f"full_disk_{mode}"] = "SAVED"
         except mindzero.CheckpointError as err:
             report[f"full_disk_{mode}"] = str(err)
-        _Barrier(train.zero_info.world)()  # rank 0 has cleaned up on every path
+        Barrier(train.zero_info.world)()  # rank 0 has cleaned up on every path
         report[f"full_disk_{mode}_left"] = sorted(p.name for p in root.iterdir() if p.name.startswith(path.name))
     # an asynchronous save overlapped with the next step: it holds the state at the save
     arrays.update({"async_saved/" + k: v for k, v in mindzero.gather_full_state_dict(train).items()})

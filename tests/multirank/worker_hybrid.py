@@ -14,8 +14,9 @@ import numpy as np
 from mindspore import Tensor
 
 import mindzero
-from mindzero.comm import (AllGather, AllReduceSum, ReduceScatterSum, current_world, register_group, resolve_world,
-                           substitute_collectives)
+from mindzero.comm import (AllGather, AllReduceSum, ReduceScatterSum, current_world, register_group,
+                           substitute_collectives, world_for)
+from mindzero.core.config import GroupPolicy
 from tests.support.models import build, make_optimizer
 from tests.support.scenarios import hybrid_scenarios
 from tests.support.tier import add_worker_flag
@@ -55,7 +56,7 @@ def check_layout_errors(world, out_dir):
     messages = {}
     flat = current_world()
     try:
-        resolve_world("mindzero_op2_0", None)
+        world_for(GroupPolicy("mindzero_op2_0", None))
         messages["no_dp_group"] = ""
     except ValueError as err:
         messages["no_dp_group"] = str(err)
@@ -104,10 +105,10 @@ def main():
     worker = start(ap)
     out_root, out_dir = worker.out, worker.rank_dir
     groups = mindzero.create_hybrid_groups(op_size=2)
-    world = resolve_world(*groups)
+    world = world_for(GroupPolicy(*groups))
     check_collectives(world, out_dir)
     with substitute_collectives():
-        check_collectives(resolve_world(*groups), out_dir, "collectives_substitute.json")
+        check_collectives(world_for(GroupPolicy(*groups)), out_dir, "collectives_substitute.json")
     memory = {}
     for scn in hybrid_scenarios(worker.args.full_tier):
         t = time.time()

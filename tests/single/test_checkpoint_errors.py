@@ -5,7 +5,7 @@ import mindspore as ms
 from mindspore import Tensor, nn
 
 import mindzero
-from mindzero.checkpoint.live import CheckpointError
+from mindzero.checkpoint.directory import CheckpointError
 from tests.support.models import MODELS, build
 
 ms.set_context(mode=ms.GRAPH_MODE)

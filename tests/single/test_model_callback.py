@@ -10,7 +10,7 @@ from mindspore import Tensor, nn
 from mindspore.train import Model, RunContext
 
 import mindzero
-from mindzero.checkpoint.live import CheckpointError
+from mindzero.checkpoint.directory import CheckpointError
 from tests.support.models import MixedNet, build
 
 ms.set_context(mode=ms.GRAPH_MODE)

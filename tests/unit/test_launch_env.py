@@ -3,7 +3,7 @@ launcher reports (which rank failed first): pure logic, no MindSpore, no process
 import pytest
 
 from mindzero.launch.mpi import cluster_env, job_port, launcher_rank
-from mindzero.launch.local import first_failure
+from mindzero.launch.logs import first_failure
 
 
 def test_openmpi_pmi_and_slurm_variables():

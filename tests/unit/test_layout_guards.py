@@ -16,6 +16,7 @@ PACKAGE = Path(mindzero.__file__).resolve().parent
 PURE_PACKAGES = ("mindzero.core",)
 PURE_MODULES = ("mindzero", "mindzero.checkpoint", "mindzero.checkpoint.format", "mindzero.checkpoint.tensor_io",
                 "mindzero.checkpoint.source", "mindzero.checkpoint.offline", "mindzero.checkpoint.cli",
+                "mindzero.checkpoint.directory",
                 "mindzero.launch", "mindzero.launch.local", "mindzero.launch.mpi")
 
 

@@ -9,7 +9,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from mindzero.checkpoint.tensor_io import CkptReader, crc32_array, open_reader, open_writer
+from mindzero.checkpoint.tensor_io import CkptReader, open_reader, open_writer
+from mindzero.core.checksum import crc32_array
 from mindzero.checkpoint.source import MergeError
 from mindzero.checkpoint.offline import merge_checkpoint, reshard_checkpoint, verify_checkpoint
 from mindzero.core.plan import REASON_BUFFER, ParamInfo, PartitionPlan
