@@ -148,7 +148,7 @@ def step_calls(state, world: World) -> list:
     if config.policy.shard_parameters:
         sharded = [p for p in state.params if p.sharded]
         frozen = [s for s in state.plan if s.frozen] if state.plan is not None else []
-        quant = config.gather_quantization
+        quant = config.stage3.quantization
         # gather_units: a unit's parameters share one gather, where its first member is read (and, with
         # regather, one in backward where its last member's gradient is reduced); the rest one each
         read = [p.spec for p in sharded] + frozen

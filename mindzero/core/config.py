@@ -280,6 +280,60 @@ class GroupPolicy:
 
 
 @dataclass(frozen=True)
+class Stage3Policy:
+    """Stage 3's options, and the two rules they follow, checked here once: ``regather`` (graph mode: gather
+    each parameter again in backward instead of keeping its full value from forward), ``shard_frozen`` (also
+    shard the parameters the optimizer does not update), ``quantization`` (int8 weight gathers,
+    :mod:`mindzero.core.quant`) and ``units`` (parameters sharing one all-gather, :mod:`mindzero.core.units`).
+    ``quantization`` and ``units`` need ``zero_stage=3`` (:meth:`check_stage`); ``units`` needs graph mode and
+    ``regather`` applies in graph mode only (:meth:`for_mode`)."""
+
+    regather: bool = True
+    shard_frozen: bool = True
+    quantization: Optional[GatherQuantization] = None
+    units: Optional[GatherUnits] = None
+
+    def __post_init__(self):
+        require_bool("stage3_regather", self.regather)
+        require_bool("shard_frozen", self.shard_frozen)
+        for name, value, cls in (("gather_quantization", self.quantization, GatherQuantization),
+                                 ("gather_units", self.units, GatherUnits)):
+            if value is not None and not isinstance(value, cls):
+                raise ValueError(f"{name} must be None or a {cls.__name__}, got {value!r}")
+
+    def check_stage(self, zero_stage) -> None:
+        """Refuse the stage-3-only options below stage 3.
+
+        Raises:
+            ValueError: naming the option, its value and the stage.
+        """
+        if stage_policy(zero_stage).shard_parameters:
+            return
+        if self.quantization is not None:
+            raise ValueError(f"gather_quantization={self.quantization.kind!r} needs zero_stage=3: it quantizes stage 3's "
+                             f"weight gathers, and zero_stage={zero_stage} has none (stages 1-2 gather into the full "
+                             "parameter each rank keeps, which must stay exact)")
+        if self.units is not None:
+            raise ValueError(f"gather_units={self.units.as_setting()!r} needs zero_stage=3: it groups stage 3's weight "
+                             f"gathers, and zero_stage={zero_stage} has none")
+
+    def for_mode(self, graph_mode: bool) -> "Stage3Policy":
+        """The policy as it runs in this execution mode: PyNative does not re-gather (its recompute loses the
+        gather's ``bprop``).
+
+        Raises:
+            ValueError: ``units`` in PyNative mode (it would run each read's gather separately, so each would
+                all-gather its whole unit).
+        """
+        if graph_mode:
+            return self
+        if self.units is not None:
+            raise ValueError(f"gather_units={self.units.as_setting()!r} needs GRAPH_MODE: PyNative runs every read's "
+                             "gather separately, so each would all-gather its whole unit; pass gather_units=None")
+        return Stage3Policy(False, self.shard_frozen, self.quantization, None)
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """Every option of one ZeRO train step, validated on construction (the first seven fields keep their
     order: ``ZeroConfig(zero_stage, gradient_accumulation_steps, clip_grad, ...)``)."""
@@ -296,10 +350,7 @@ class ZeroConfig:
     fusion: "FusionConfig" = None  # None: FusionConfig() (no fusion)
     groups: GroupPolicy = field(default_factory=GroupPolicy)
     optimizer_offload: bool = False
-    stage3_regather: bool = True
-    shard_frozen: bool = True  # stage 3 shards the parameters the optimizer does not update and the network reads
-    gather_quantization: Optional[GatherQuantization] = None  # stage 3: int8 weight gathers (core/quant.py)
-    gather_units: Optional[GatherUnits] = None  # stage 3: parameters sharing one all-gather (core/units.py)
+    stage3: Stage3Policy = field(default_factory=Stage3Policy)
 
     def __post_init__(self):
         if self.precision is None:
@@ -307,40 +358,23 @@ class ZeroConfig:
         if self.fusion is None:
             object.__setattr__(self, "fusion", FusionConfig())
         for name, cls in (("precision", MixedPrecision), ("fusion", FusionConfig), ("loss_scale", LossScale),
-                          ("groups", GroupPolicy)):
+                          ("groups", GroupPolicy), ("stage3", Stage3Policy)):
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
         if self.ema is not None and not isinstance(self.ema, EmaPolicy):
             raise ValueError(f"ema must be None or an EmaPolicy, got {self.ema!r}")
         stage_policy(self.zero_stage)
         require_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
-        for name in ("clip_grad", "drop_overflow_update", "verbose", "optimizer_offload", "stage3_regather",
-                     "shard_frozen"):
+        for name in ("clip_grad", "drop_overflow_update", "verbose", "optimizer_offload"):
             require_bool(name, getattr(self, name))
         if not is_number(self.clip_norm) or not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be a number > 0, got {self.clip_norm!r}")
-        quant, units = self.gather_quantization, self.gather_units
-        self._check_stage3_option("gather_quantization", quant, GatherQuantization, lambda q: q.kind,
-                                  "quantizes stage 3's weight gathers", " (stages 1-2 gather into the full parameter "
-                                  "each rank keeps, which must stay exact)")
-        self._check_stage3_option("gather_units", units, GatherUnits, GatherUnits.as_setting,
-                                  "groups stage 3's weight gathers")
+        self.stage3.check_stage(self.zero_stage)
         if self.precision.reduce_dtype == "float16" and not self.precision.enabled and self.loss_scale.value == 1.0 \
                 and self.loss_scale.dynamic is None and self.loss_scale.manager is None:
             raise ValueError("reduce_dtype='float16' without param_dtype needs a loss scale, so that small "
                              "gradients do not underflow in fp16: pass scale_sense (a number > 1, e.g. 1024, or "
                              "nn.DynamicLossScaleUpdateCell(2**16, 2, 1000)); got scale_sense=1.0")
-
-    def _check_stage3_option(self, name: str, value, cls, shown, does: str, note: str = "") -> None:
-        """``value`` of the stage-3-only option ``name``: ``None`` or a ``cls``, refused below stage 3 (``shown``:
-        the value as the error names it)."""
-        if value is None:
-            return
-        if not isinstance(value, cls):
-            raise ValueError(f"{name} must be None or a {cls.__name__}, got {value!r}")
-        if not self.policy.shard_parameters:
-            raise ValueError(f"{name}={shown(value)!r} needs zero_stage=3: it {does}, and zero_stage={self.zero_stage} has "
-                             f"none{note}")
 
     @property
     def policy(self) -> StagePolicy:
@@ -368,23 +402,64 @@ class ZeroConfig:
                           loss_scale=LossScale.parse(a["scale_sense"]), ema=EmaPolicy.parse(a["ema"], a["updates"]),
                           fusion=parse_comm_fusion(a["comm_fusion"]),
                           groups=GroupPolicy(a["optimizer_parallel_group"], a["dp_group"], a["hybrid_shard_size"]),
-                          optimizer_offload=a["optimizer_offload"], stage3_regather=a["stage3_regather"],
-                          shard_frozen=a["shard_frozen"],
-                          gather_quantization=GatherQuantization.parse(a["gather_quantization"]),
-                          gather_units=GatherUnits.parse(a["gather_units"]))
+                          optimizer_offload=a["optimizer_offload"],
+                          stage3=Stage3Policy(a["stage3_regather"], a["shard_frozen"],
+                                              GatherQuantization.parse(a["gather_quantization"]),
+                                              GatherUnits.parse(a["gather_units"])))
 
 
-#: ``prepare_train_network``'s options and their defaults (its signature repeats them: a test holds the two
-#: equal), plus ``hybrid_shard_size``, which only a settings file gives
-ARGUMENT_DEFAULTS = {
-    "scale_sense": 1.0, "ema": None, "updates": 0, "drop_overflow_update": True, "gradient_accumulation_steps": 1,
-    "clip_grad": False, "clip_norm": 1.0, "verbose": False, "zero_stage": 0, "optimizer_offload": False,
-    "optimizer_parallel_group": None, "dp_group": None, "comm_fusion": None, "parallel_modules": None,
-    "stage3_regather": True, "param_dtype": None, "reduce_dtype": None, "shard_frozen": True,
-    "gather_quantization": None, "gather_units": None, "hybrid_shard_size": None,
-}
+@dataclass(frozen=True)
+class Option:
+    """One option of :func:`mindzero.prepare_train_network`: its name, its default, what it accepts (the rule its
+    parser enforces, as docs/training.md's option list shows it), whether a settings file can hold it, and
+    whether it is a keyword argument (``hybrid_shard_size`` is the file's stand-in for the two group names)."""
+
+    name: str
+    default: object
+    accepts: str
+    in_settings: bool = True
+    argument: bool = True
+
+
+#: every option, in ``prepare_train_network``'s order (mindone's for the first sixteen: positional calls keep
+#: working): the one table its signature, the settings file, :meth:`ZeroConfig.from_arguments` and the docs'
+#: option list are checked against (tests/unit/test_config.py, tests/single/test_public_api.py)
+OPTIONS = (
+    Option("scale_sense", 1.0, "a number > 0, a scalar Tensor, a loss-scale update Cell, or "
+                               "`{init_loss_scale, scale_factor, scale_window}`"),
+    Option("ema", None, "`None`, a decay in (0, 1), or mindone's `EMA`"),
+    Option("updates", 0, "an int >= 0: the EMA's initial step count (needs `ema`)"),
+    Option("drop_overflow_update", True, "a bool"),
+    Option("gradient_accumulation_steps", 1, "an int >= 1"),
+    Option("clip_grad", False, "a bool"),
+    Option("clip_norm", 1.0, "a number > 0"),
+    Option("verbose", False, "a bool"),
+    Option("zero_stage", 0, "0, 1, 2 or 3"),
+    Option("optimizer_offload", False, "a bool"),
+    Option("optimizer_parallel_group", None, "`None` or a group name", in_settings=False),
+    Option("dp_group", None, "`None` or a group name", in_settings=False),
+    Option("comm_fusion", None, "`None` or `{kind: {openstate, bucket_size}}` for the kinds allreduce, reduce_scatter, allgather"),
+    Option("parallel_modules", None, "`None` (mindone's; not needed)", in_settings=False),
+    Option("stage3_regather", True, "a bool (stage 3)"),
+    Option("param_dtype", None, "`None`, float16 or bfloat16"),
+    Option("reduce_dtype", None, "`None`, float32, float16 or bfloat16"),
+    Option("shard_frozen", True, "a bool (stage 3)"),
+    Option("gather_quantization", None, "`None`, `\"int8\"` or `{kind, block_size, min_numel, exclude}` (stage 3)"),
+    Option("gather_units", None, "`None`, bytes per unit, or Cell-name patterns (stage 3, graph mode)"),
+    Option("hybrid_shard_size", None, "`None` or an int >= 1: ranks per op group", argument=False),
+)
+#: option name -> default
+ARGUMENT_DEFAULTS = {o.name: o.default for o in OPTIONS}
 #: the options a settings file cannot hold (objects of the running job)
-NOT_IN_SETTINGS = ("optimizer_parallel_group", "dp_group", "parallel_modules")
+NOT_IN_SETTINGS = tuple(o.name for o in OPTIONS if not o.in_settings)
+
+
+def options_markdown() -> str:
+    """The option list of docs/training.md, made from :data:`OPTIONS` (a test holds the page to it)."""
+    rows = ["| option | default | accepts | settings file |", "|---|---|---|---|"]
+    rows += [f"| `{o.name}` | `{o.default!r}` | {o.accepts} | {'yes' if o.in_settings else 'no'}"
+             f"{'' if o.argument else ' (only there)'} |" for o in OPTIONS]
+    return "\n".join(rows)
 
 
 def check_option(key: str, value) -> None:
@@ -405,6 +480,13 @@ def check_option(key: str, value) -> None:
         ZeroConfig.from_arguments({key: value})
 
 
+def off_defaults(explicit: dict, defaults: dict = None) -> dict:
+    """The arguments of ``explicit`` whose value is not their default (``defaults``: :data:`ARGUMENT_DEFAULTS`);
+    types count: ``1`` is not ``True``."""
+    defaults = ARGUMENT_DEFAULTS if defaults is None else defaults
+    return {k: v for k, v in explicit.items() if not (type(v) is type(defaults[k]) and v == defaults[k])}
+
+
 def merge_settings(explicit: dict, settings: dict, defaults: dict = None) -> dict:
     """The options of a call given both as arguments and by a settings file: ``settings`` plus the
     arguments that differ from their defaults (``defaults``: :data:`ARGUMENT_DEFAULTS`). The one rule for
@@ -414,9 +496,7 @@ def merge_settings(explicit: dict, settings: dict, defaults: dict = None) -> dic
         ValueError: ``"<key> is given both as an argument (<value>) and in config (<value>); give each setting
             once"``.
     """
-    defaults = ARGUMENT_DEFAULTS if defaults is None else defaults
-    given = {k: v for k, v in explicit.items()
-             if not (type(v) is type(defaults[k]) and v == defaults[k])}  # 1 is not True: types count
+    given = off_defaults(explicit, defaults)
     both = sorted(set(given) & set(settings))
     if both:
         k = both[0]

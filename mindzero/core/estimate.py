@@ -15,7 +15,7 @@ stage  paper (fp16 + fp32     mindzero without ``param_dtype`` (parameters train
 3      16Φ/N                  16Φ/N
 =====  ====================  ======================================================
 
-With ``param_dtype=float16`` (``mixed_precision=True`` here, ``--mixed-precision`` on the command
+With ``param_dtype=float16`` (``--mixed-precision`` on the command
 line) mindzero allocates the paper's column exactly (fp16 parameters and gradient buffers, fp32
 masters and moments), plus padding.
 
@@ -30,7 +30,7 @@ import json
 import math
 import sys
 
-from .config import MixedPrecision, stage_policy
+from .config import MixedPrecision, Stage3Policy, stage_policy
 from .memory import KINDS, expected_bytes
 from .checks import is_int, require_int
 from .introspect import param_infos
@@ -79,7 +79,7 @@ def _param_infos(network_or_param_shapes, precision: MixedPrecision):
 
 
 def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, optimizer: str = "adamw",
-                    mixed_precision: bool = False, gradient_accumulation: bool = True, param_dtype=None,
+                    gradient_accumulation: bool = True, param_dtype=None,
                     reduce_dtype=None, gather_quantization=None) -> dict:
     """Bytes per rank by kind that ``prepare_train_network`` will allocate, and the paper's formula.
 
@@ -90,8 +90,8 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
         optimizer: ``adamw``, ``adam``, ``sgd``, ``momentum``, ``lamb``, or mint.optim's ``mint.adam``,
             ``mint.adamw``, ``mint.adam_amsgrad``, ``mint.sgd`` (sets the state tensors per parameter).
         gradient_accumulation: count the persistent gradient buffers (``gradient_accumulation_steps > 1``).
-        mixed_precision: shorthand for ``param_dtype="float16"``; ``param_dtype``, ``reduce_dtype``: the
-            mixed-precision policy of ``prepare_train_network`` (fp32 masters and moments).
+        param_dtype, reduce_dtype: the mixed-precision policy of ``prepare_train_network`` (fp32 masters and
+            moments).
         gather_quantization: stage 3's option of ``prepare_train_network``: adds ``quantization_buffers``
             (the int8 payloads of this rank's shards kept from forward to backward; transient, not in ``total``).
 
@@ -109,15 +109,11 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
     key = str(optimizer).lower()
     if key not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZER_STATES)}")
-    if mixed_precision and param_dtype is None:
-        param_dtype = "float16"
     precision = MixedPrecision.parse(param_dtype, reduce_dtype)
     infos = _param_infos(network_or_param_shapes, precision)
     plan = PartitionPlan.build(infos, op_size, 0)
     quant = GatherQuantization.parse(gather_quantization)
-    if quant is not None and not policy.shard_parameters:
-        raise ValueError(f"gather_quantization={quant.kind!r} needs zero_stage=3 (stage 3's weight gathers), "
-                         f"got zero_stage={zero_stage}")
+    Stage3Policy(quantization=quant).check_stage(zero_stage)
     out = expected_bytes(plan, policy, OPTIMIZER_STATES[key], gradient_accumulation, precision=precision, quant=quant)
     out["total"] = sum(out[k] for k in KINDS)
     phi = sum(math.prod(i.shape) for i in infos if i.optimized)
@@ -170,7 +166,8 @@ def main(argv=None) -> int:
     mib = 2 ** 20
     for n in (int(x) for x in a.op_sizes.split(",")):
         for stage in (int(x) for x in a.stages.split(",")):
-            e = estimate_memory(shapes, stage, n, a.optimizer, a.mixed_precision, not a.no_accumulation)
+            e = estimate_memory(shapes, stage, n, a.optimizer, not a.no_accumulation,
+                                "float16" if a.mixed_precision else None)
             rows.append({k: e[k] for k in ("stage", "op_size", "phi", "total", *KINDS)} | {"formula": e["formula"]})
             print(f"| {stage} | {n} | {e['parameters'] / mib:.1f} | {e['gradients'] / mib:.1f} | "
                   f"{e['optimizer_states'] / mib:.1f} | {e['total'] / mib:.1f} | {e['formula']['total'] / mib:.1f} | "

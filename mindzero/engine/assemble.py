@@ -48,7 +48,7 @@ def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
     if config.ema is not None:
         ema = ZeroEMA([ps.weight for ps in params], config.ema.decay, config.ema.updates,
                       ms.float32 if precision.enabled else None)
-    regather = config.stage3_regather and ms.get_context("mode") == ms.GRAPH_MODE
+    regather = config.stage3.for_mode(ms.get_context("mode") == ms.GRAPH_MODE).regather
     state = ZeroState(config, world, plan, params, micro, boundary, gather, sharded.state_attrs, scale_sense, manager,
                       ema, regather, tuple(sharded.units))
     state.calls, state.real_calls = state_calls(state)
@@ -67,7 +67,7 @@ def build_plan(network, optimizer, world: World, config: ZeroConfig) -> Partitio
     """The partition plan of ``network``'s parameters for this rank, in ``network.get_parameters()`` order
     (dtypes as held: ``param_dtype`` for the optimized parameters of a mixed-precision run)."""
     return PartitionPlan.build(param_infos(network, config.precision, optimizer), world.op_size, world.op_rank,
-                               shard_frozen=config.shard_frozen)
+                               shard_frozen=config.stage3.shard_frozen)
 
 
 def _param_states(optimizer, plan: PartitionPlan, config: ZeroConfig) -> tuple:

@@ -12,7 +12,7 @@ import logging
 from mindspore import nn
 
 from ..comm.groups import world_for
-from ..core.config import ZeroConfig, merge_settings
+from ..core.config import OPTIONS, ZeroConfig, merge_settings, off_defaults
 from ..core.settings import resolve_settings
 from .assemble import assemble
 from .precision import check_precision, computing_in
@@ -91,9 +91,11 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
         parallel_modules: mindone's argument; not needed (stage 3 works for any Cell): a value raises
             ``NotImplementedError``.
         config: a settings file (YAML path) or mapping (:func:`mindzero.load_config`) holding any of the
-            arguments above that a file can hold; ``hybrid_shard_size: G`` there creates the hybrid groups
-            (:func:`mindzero.create_hybrid_groups`). An argument also given here with a value other than its
-            default is an error (naming both values): one source per setting.
+            arguments above that a file can hold (``hybrid_shard_size: G`` there creates the hybrid groups:
+            :func:`mindzero.create_hybrid_groups`), or a :class:`~mindzero.core.config.ZeroConfig`. An argument
+            also given here with a value other than its default is an error (naming both values): one source
+            per setting. The options, their defaults and what each accepts: :data:`mindzero.core.config.OPTIONS`
+            (docs/training.md).
 
     Returns:
         :class:`ZeroTrainOneStepCell`; ``loss, overflow, scale = train_net(*inputs)``.
@@ -101,17 +103,8 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
     Raises:
         ValueError / TypeError: bad arguments (the message names the argument, value and rule).
     """
-    arguments = dict(scale_sense=scale_sense, ema=ema, updates=updates, drop_overflow_update=drop_overflow_update,
-                     gradient_accumulation_steps=gradient_accumulation_steps, clip_grad=clip_grad, clip_norm=clip_norm,
-                     verbose=verbose, zero_stage=zero_stage, optimizer_offload=optimizer_offload,
-                     optimizer_parallel_group=optimizer_parallel_group, dp_group=dp_group, comm_fusion=comm_fusion,
-                     parallel_modules=parallel_modules, stage3_regather=stage3_regather, param_dtype=param_dtype,
-                     reduce_dtype=reduce_dtype, shard_frozen=shard_frozen, gather_quantization=gather_quantization,
-                     gather_units=gather_units)
-    if config is not None:
-        settings = {k: v for k, v in resolve_settings(config).items() if k != "checkpoint"}
-        arguments = merge_settings(arguments, settings)
-    zero = ZeroConfig.from_arguments(arguments)
+    given = locals()
+    zero = zero_config({o.name: given[o.name] for o in OPTIONS if o.argument}, config)
     if not isinstance(network, nn.Cell):
         raise TypeError(f"network must be a mindspore.nn.Cell, got {type(network).__name__}")
     world = world_for(zero.groups)
@@ -126,3 +119,28 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
     if verbose and state.world.world_rank == 0:
         logger.warning("%s", plan_text(train_net))
     return train_net
+
+
+def zero_config(arguments: dict, config=None) -> ZeroConfig:
+    """The :class:`ZeroConfig` of ``prepare_train_network``'s keyword ``arguments`` and its ``config`` (``None``, a
+    settings path or mapping, or a ``ZeroConfig``), by the one rule for a setting given both ways
+    (:func:`~mindzero.core.config.merge_settings`).
+
+    Raises:
+        ValueError: a bad value, or a setting given both ways (naming both values).
+        TypeError: ``config`` of another type.
+    """
+    if isinstance(config, ZeroConfig):
+        given = off_defaults(arguments)
+        if given:
+            k = sorted(given)[0]
+            raise ValueError(f"{k}={given[k]!r} is given as an argument while config is a ZeroConfig, which holds "
+                             "every option; give each setting once")
+        return config
+    if config is not None and not isinstance(config, (str, dict)) and not hasattr(config, "__fspath__"):
+        raise TypeError(f"config must be None, a settings file path, a settings mapping or a ZeroConfig, got "
+                        f"{type(config).__name__}")
+    if config is not None:
+        settings = {k: v for k, v in resolve_settings(config).items() if k != "checkpoint"}
+        arguments = merge_settings(arguments, settings)
+    return ZeroConfig.from_arguments(arguments)

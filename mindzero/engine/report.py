@@ -28,7 +28,7 @@ def memory_report(train_net) -> dict:
         "ema": sum(_nbytes(p) for p in train_net.ema.ema_weights) if train_net.has_ema else 0,
         "expected": expected_bytes(info.plan, info.config.policy, len(info.state_attrs),
                                    info.config.gradient_accumulation_steps > 1, train_net.has_ema, info.precision,
-                                   info.config.gather_quantization),
+                                   info.config.stage3.quantization),
         "stage": info.config.zero_stage,
         "op_size": info.world.op_size,  # the op group: what the shards divide by
         "dp_size": info.world.dp_size,
@@ -70,7 +70,7 @@ def plan_text(train_net) -> str:
     if info.precision.reduce_dtype is not None and not info.precision.enabled:
         lines.append(f"gradients of fp32 parameters reduced in {info.precision.reduce_dtype}, widened to fp32 "
                      "before the mean")
-    quant = config.gather_quantization
+    quant = config.stage3.quantization
     if quant is not None:
         quantized = [s for s in info.plan if s.sharded and quant.applies(s.name, s.shape)]
         exact = sum(s.shard_size * s.itemsize for s in quantized)
@@ -83,7 +83,7 @@ def plan_text(train_net) -> str:
         largest = max(s.numel * s.itemsize for s in info.plan.sharded)
         plural = "s" if len(info.units) > 1 else ""
         lines.append(f"weight gathers: {len(info.units)} unit{plural} of {sum(len(u) for u in info.units)} parameters "
-                     f"({config.gather_units.as_setting()!r}), one all-gather each; the largest unit "
+                     f"({config.stage3.units.as_setting()!r}), one all-gather each; the largest unit "
                      f"{max(full) / mib:.3f} MiB gathered at once (transient; the largest parameter: "
                      f"{largest / mib:.3f} MiB)")
     for kind in ("parameters", "gradients", "optimizer_states"):

@@ -234,23 +234,19 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, config
         network: the user's Cell.
         specs: parameter name -> :class:`ShardSpec`; only ``sharded`` specs are touched.
         world: the op group.
-        config: the :class:`~mindzero.core.config.ZeroConfig`; read here: ``stage3_regather`` (graph mode: mark
-            each gather's primitives for recompute, so backward all-gathers the parameter again instead of
-            keeping the full value alive from forward; PyNative ignores it, its recompute loses the gather's
-            ``bprop``), ``precision.reduce_in`` (the dtype the gathers' backward reduces gradients in),
-            ``gather_quantization`` (which parameters' gathers send int8 values with fp32 block scales) and
-            ``gather_units`` (which parameters share one all-gather; graph mode only).
+        config: the :class:`~mindzero.core.config.ZeroConfig`; read here: ``stage3``
+            (:class:`~mindzero.core.config.Stage3Policy` as it runs in this mode: ``regather`` marks each
+            gather's primitives for recompute, so backward all-gathers the parameter again instead of keeping
+            the full value alive from forward; ``quantization``: which gathers send int8 values with fp32 block
+            scales; ``units``: which parameters share one all-gather) and ``precision.reduce_in`` (the dtype the
+            gathers' backward reduces gradients in).
 
     Raises:
         ValueError: ``gather_units`` in PyNative mode.
     """
-    regather, reduce_dtype = config.stage3_regather, config.precision.reduce_in
-    quantization, units = config.gather_quantization, config.gather_units
+    stage3 = config.stage3.for_mode(ms.get_context("mode") == ms.GRAPH_MODE)
+    quantization, units, reduce_dtype = stage3.quantization, stage3.units, config.precision.reduce_in
     out = ShardedNetwork()
-    graph_mode = ms.get_context("mode") == ms.GRAPH_MODE
-    if units is not None and not graph_mode:
-        raise ValueError(f"gather_units={units.as_setting()!r} needs GRAPH_MODE: PyNative runs every read's gather "
-                         "separately, so each would all-gather its whole unit; pass gather_units=None")
 
     def quant_block(name, spec):
         return quantization.block_size if quantization is not None and quantization.applies(name, spec.shape) \
@@ -292,7 +288,7 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, config
             port = backend.gradient_port(spec.numel, spec.padding, reduce_dtype, gather.kept,
                                          f"{index}:{name}") if shard.requires_grad else None
             reader.join_unit(gather, offset, spec.shard_size, port)
-    if regather and graph_mode:
+    if stage3.regather:
         for reader in gathers.values():
             reader.regather()
     return out

@@ -65,16 +65,34 @@ def test_every_path_the_docs_name_resolves():
         resolve(path)
 
 
-def test_prepare_train_network_defaults_are_the_options_defaults():
-    """``prepare_train_network``'s signature (mindone's) repeats the defaults of the one options table."""
+def test_prepare_train_network_signature_is_the_options_table():
+    """``prepare_train_network``'s signature (mindone's order) repeats the one options table: names, order and
+    defaults."""
     import inspect
 
-    from mindzero.core.config import ARGUMENT_DEFAULTS
+    from mindzero.core.config import OPTIONS
 
     params = inspect.signature(mindzero.prepare_train_network).parameters
-    defaults = {k: p.default for k, p in params.items() if k not in ("network", "optimizer", "config")}
-    assert defaults == {k: v for k, v in ARGUMENT_DEFAULTS.items() if k != "hybrid_shard_size"}
+    assert list(params)[:2] == ["network", "optimizer"] and list(params)[-1] == "config"
+    assert [(k, p.default) for k, p in list(params.items())[2:-1]] == [(o.name, o.default) for o in OPTIONS if o.argument]
     assert list(params)[:16] == ["network", "optimizer", "scale_sense", "ema", "updates", "drop_overflow_update",
                                  "gradient_accumulation_steps", "clip_grad", "clip_norm", "verbose", "zero_stage",
                                  "optimizer_offload", "optimizer_parallel_group", "dp_group", "comm_fusion",
                                  "parallel_modules"]  # mindone's order: positional calls keep working
+
+
+def test_config_takes_a_zero_config():
+    from mindspore import nn
+
+    from mindzero.core.config import ZeroConfig
+    from tests.support.models import build, make_optimizer
+
+    zero = ZeroConfig.from_arguments({"zero_stage": 2, "clip_grad": True})
+    net = build("mlp")
+    train = mindzero.prepare_train_network(net, make_optimizer("adamw", net), config=zero)
+    assert train.zero_info.config is zero
+    net = build("mlp")
+    with pytest.raises(ValueError, match="clip_norm=2.0 is given as an argument while config is a ZeroConfig"):
+        mindzero.prepare_train_network(net, make_optimizer("adamw", net), clip_norm=2.0, config=zero)
+    with pytest.raises(TypeError, match="config must be None, a settings file path, a settings mapping or a ZeroConfig, got int"):
+        mindzero.prepare_train_network(net, nn.Momentum(net.trainable_params(), 0.1, 0.9), config=3)

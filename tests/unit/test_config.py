@@ -96,3 +96,49 @@ def test_mixed_precision_bytes_are_the_paper_formula(stage):
     got = expected_bytes(plan, STAGES[stage], 2, True, precision=mp)
     formula = paper_formula(48, stage, 4, mixed_precision=True)
     assert {k: got[k] for k in formula} == {k: int(v) for k, v in formula.items()}
+
+
+def test_the_options_table_is_every_option_once():
+    from mindzero.core.config import ARGUMENT_DEFAULTS, NOT_IN_SETTINGS, OPTIONS
+    from mindzero.core.settings import SETTING_KEYS
+
+    names = [o.name for o in OPTIONS]
+    assert len(names) == len(set(names)) == 21
+    assert ARGUMENT_DEFAULTS == {o.name: o.default for o in OPTIONS}
+    assert set(SETTING_KEYS) == {o.name for o in OPTIONS if o.in_settings} and set(NOT_IN_SETTINGS).isdisjoint(SETTING_KEYS)
+    config = ZeroConfig.from_arguments({})  # every default parses, and gives ZeroConfig's own defaults
+    assert config == ZeroConfig()
+    for o in OPTIONS:  # every name is one the parser knows
+        ZeroConfig.from_arguments({o.name: o.default})
+    with pytest.raises(ValueError, match="unknown option 'zero_stag'"):
+        ZeroConfig.from_arguments({"zero_stag": 1})
+
+
+def test_the_docs_option_list_is_the_table():
+    from pathlib import Path
+
+    from mindzero.core.config import options_markdown
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    assert options_markdown() in page, "docs/training.md's option list drifted from mindzero.core.config.OPTIONS"
+
+
+def test_stage3_policy_is_the_one_stage_3_rule():
+    from mindzero.core.config import Stage3Policy
+    from mindzero.core.estimate import estimate_memory
+    from mindzero.core.quant import GatherQuantization
+    from mindzero.core.units import GatherUnits
+
+    quant = GatherQuantization.parse("int8")
+    rule = "gather_quantization='int8' needs zero_stage=3: it quantizes stage 3's weight gathers, and zero_stage=2 has none"
+    with pytest.raises(ValueError, match=rule):
+        ZeroConfig(2, stage3=Stage3Policy(quantization=quant))
+    with pytest.raises(ValueError, match=rule):  # the estimate asks the same policy: the same message
+        estimate_memory([100], 2, 2, gather_quantization="int8")
+    units = Stage3Policy(units=GatherUnits.parse("blocks.*"))
+    assert units.for_mode(True) is units
+    with pytest.raises(ValueError, match=r"gather_units='blocks.\*' needs GRAPH_MODE"):
+        units.for_mode(False)
+    assert Stage3Policy().for_mode(False) == Stage3Policy(regather=False)  # PyNative does not re-gather
+    with pytest.raises(ValueError, match="stage3_regather must be a bool, got 1"):
+        Stage3Policy(regather=1)

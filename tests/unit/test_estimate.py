@@ -30,8 +30,8 @@ def test_paper_mixed_precision_formulas(stage, expr):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_mixed_precision_estimate_is_the_paper_formula(stage):
-    """param_dtype=float16 (``mixed_precision=True``): fp16 parameters and buffers, fp32 masters and moments."""
-    e = estimate_memory([PHI], stage, 4, "adamw", mixed_precision=True)
+    """param_dtype=float16: fp16 parameters and buffers, fp32 masters and moments."""
+    e = estimate_memory([PHI], stage, 4, "adamw", param_dtype="float16")
     for kind in ("parameters", "gradients", "optimizer_states"):
         assert e[kind] == e["formula"][kind], (stage, kind)
     assert e["master_shards"] == 4 * PHI / (1 if stage == 0 else 4)

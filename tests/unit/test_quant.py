@@ -115,7 +115,7 @@ def test_policy_errors_name_key_value_and_rule(value, message):
 def test_quantization_needs_stage_3():
     with pytest.raises(ValueError, match="gather_quantization='int8' needs zero_stage=3: .*zero_stage=1 has none"):
         ZeroConfig.from_arguments({"zero_stage": 1, "gather_quantization": "int8"})
-    assert ZeroConfig.from_arguments({"zero_stage": 3, "gather_quantization": "int8"}).gather_quantization.kind == "int8"
+    assert ZeroConfig.from_arguments({"zero_stage": 3, "gather_quantization": "int8"}).stage3.quantization.kind == "int8"
 
 
 def test_the_plan_counts_quantized_gather_bytes():
@@ -129,7 +129,7 @@ def test_the_plan_counts_quantized_gather_bytes():
     quant = step_calls(plan_state(list(plan), quant_cfg), world)
     assert [(c.op, c.phase) for c in exact] == [(c.op, c.phase) for c in quant]
     w = plan["w"]
-    assert gathered_bytes(w, quant_cfg.gather_quantization) == Q.payload_bytes(w.shard_size, 256) == 38400 + 4 * 150
+    assert gathered_bytes(w, quant_cfg.stage3.quantization) == Q.payload_bytes(w.shard_size, 256) == 38400 + 4 * 150
     gathers = [c for c in quant if c.op == "all_gather"]
     assert sorted({c.nbytes for c in gathers}) == sorted({4 * 4 * plan["b"].shard_size, 4 * Q.payload_bytes(
         w.shard_size, 256)})
@@ -146,7 +146,7 @@ def test_settings_file_takes_gather_quantization(tmp_path):
     settings = load_config(good)
     assert settings["gather_quantization"] == {"kind": "int8", "block_size": 128}
     config = ZeroConfig.from_arguments({k: v for k, v in settings.items() if k != "checkpoint"})
-    assert config.gather_quantization.block_size == 128 and config.precision.reduce_dtype == "float16"
+    assert config.stage3.quantization.block_size == 128 and config.precision.reduce_dtype == "float16"
     bad = tmp_path / "bad.yaml"
     bad.write_text("gather_quantization: {kind: int8, block_size: 7}\n")
     with pytest.raises(ConfigError, match=rf"{bad}: key 'gather_quantization': .*block_size'\] must be an int "

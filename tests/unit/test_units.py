@@ -43,7 +43,7 @@ def test_settings_file_takes_gather_units(tmp_path):
     good.write_text("zero_stage: 3\ngather_units: ['*blocks.*']\n")
     settings = load_config(good)
     config = ZeroConfig.from_arguments({k: v for k, v in settings.items() if k != "checkpoint"})
-    assert config.gather_units == GatherUnits(cells=("*blocks.*",))
+    assert config.stage3.units == GatherUnits(cells=("*blocks.*",))
     bad = tmp_path / "bad.yaml"
     bad.write_text("gather_units: 0\n")
     with pytest.raises(ConfigError, match=rf"{bad}: key 'gather_units': value 0: gather_units as a size must be an int >= 1"):
@@ -53,7 +53,7 @@ def test_settings_file_takes_gather_units(tmp_path):
 def test_units_need_stage_3():
     with pytest.raises(ValueError, match=r"gather_units='blocks.\*' needs zero_stage=3: .*zero_stage=2 has none"):
         ZeroConfig.from_arguments({"zero_stage": 2, "gather_units": "blocks.*"})
-    assert ZeroConfig.from_arguments({"zero_stage": 3, "gather_units": 4096}).gather_units.max_bytes == 4096
+    assert ZeroConfig.from_arguments({"zero_stage": 3, "gather_units": 4096}).stage3.units.max_bytes == 4096
 
 
 def test_size_rule_groups_consecutive_parameters_of_one_kind():
