@@ -13,20 +13,23 @@ from mindzero.launch.local import msrun
 from tests.support.compare import LOSS_NOISE, ON_CPU, RTOL_FP16, Results, assert_same_run, rel_err
 from tests.support.models import PARITY_MODELS
 from tests.support.scenarios import hybrid_scenarios
-from tests.support.tier import full_tier, worker_args
+from tests.support.tier import Launch, full_tier, worker_args
 
 from . import WORKERS
 
 N = 4
 MODELS = list(PARITY_MODELS)
+# a test marked `scenarios` is collected where this launch runs them all (the default suite leaves the rows of tier
+# "full" to the full tier; tests/support/tier.py)
+LAUNCH = Launch("res", lambda n, full: hybrid_scenarios(full), ranks=N)
+scenarios = pytest.mark.scenarios
 
 
 @pytest.fixture(scope="module")
 def res(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("hybrid")
     msrun(WORKERS / "worker_hybrid.py", N, out, worker_args(request.config), timeout=1800)
-    return Results(out, [s.name for s in hybrid_scenarios(full_tier(request.config))], [s.name for s in hybrid_scenarios()],
-                   "the default suite leaves it to the full tier (scenarios.FULL_TIER_ONLY; `bash scripts/test.sh --full`)")
+    return Results(out, hybrid_scenarios(full_tier(request.config)))
 
 
 def test_layout_and_group_collectives(res):
@@ -43,6 +46,7 @@ def test_layout_and_group_collectives(res):
             {k: v for k, v in c.items() if k != "emulated"}, sub
 
 
+@scenarios(lambda model, stage: [f"{model}-h{stage}", f"{model}-dp"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("model", MODELS)
 def test_hybrid_equals_plain_data_parallel(res, model, stage):
@@ -114,7 +118,7 @@ def test_overflow_on_one_rank_is_skipped_by_both_replicas(res, stage):
 def test_memory_divides_by_the_op_group(res):
     mem = res.json(0, "memory.json")
     h3, h0 = mem["mixed-h3"], mem["mixed-h0"]
-    assert h3["group_size"] == 2 and h3["replicas"] == 2
+    assert h3["op_size"] == 2 and h3["dp_size"] == 2
     for kind in ("parameters", "optimizer_states"):
         assert h3[kind] == h3["expected"][kind], (kind, h3)
         assert h3[kind] <= 0.55 * h0[kind], (kind, h3[kind], h0[kind])  # 1/2 plus padding, not 1/4
@@ -181,6 +185,7 @@ def test_layout_errors_are_clear_on_every_rank(res):
         assert "is in two groups" in m["one_rank_flat"], m["one_rank_flat"]
 
 
+@scenarios(lambda stage, fused: [f"real-{'fused-' if fused else ''}h{stage}", "clip-dp0"])
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_gpu_ascend_hybrid_path_equals_plain_data_parallel(res, stage, fused):

@@ -12,6 +12,7 @@ import pytest
 
 from mindzero.launch.local import LaunchError, launch
 from tests.support.compare import Results, assert_parity_checks, assert_same_run
+from tests.support.models import DEFAULT_OPTIMIZER
 from tests.support.scenarios import parity_scenarios
 
 from . import WORKERS
@@ -32,9 +33,16 @@ def run(request, tmp_path_factory):
     if lay["launcher"] == "mpirun" and shutil.which("mpirun") is None:
         pytest.fail("mpirun not found: scripts/setup_env.sh installs Debian's openmpi-bin")
     out = tmp_path_factory.mktemp(request.param)
-    launch(WORKERS / "worker_parity.py", lay["n"], out, ["--only", "mixed"], timeout=900, nodes=lay["nodes"],
-           launcher=lay["launcher"])
-    return lay["n"], Results(out, [s.name for s in parity_scenarios(lay["n"]) if s.name.startswith("mixed")])
+    scenarios = plain_mixed(lay["n"])
+    launch(WORKERS / "worker_parity.py", lay["n"], out, ["--only", ",".join(s.name for s in scenarios)], timeout=900,
+           nodes=lay["nodes"], launcher=lay["launcher"])
+    return lay["n"], Results(out, scenarios)
+
+
+def plain_mixed(n: int) -> list:
+    """The mixed net with its own optimizer and no other option: plain DP and stages 0-3."""
+    return [s for s in parity_scenarios(n) if s.model == "mixed" and s.optimizer == DEFAULT_OPTIMIZER["mixed"]
+            and not s.settings and not (s.force_overflow or s.substitute)]
 
 
 def test_collectives_and_plan_mismatch(run):

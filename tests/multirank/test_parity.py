@@ -16,13 +16,16 @@ from tests.support.compare import (LOSS_NOISE, ON_CPU, RTOL, RTOL_FP16, RTOL_FP1
 from tests.support.models import PARITY_MODELS
 from tests.support.release import RELEASE_OPTIMIZERS
 from tests.support.scenarios import AUTO_AMP_MODELS, UNITS, parity_scenarios
-from tests.support.tier import full_tier, worker_args
+from tests.support.tier import Launch, full_tier, worker_args
 
 from . import WORKERS
 
 MODELS = list(PARITY_MODELS)
-REDUCED = ("4 ranks run a reduced matrix for the suite's time (tests.support.scenarios.parity_scenarios); 2 ranks run "
-           "it, the default suite less FULL_TIER_ONLY (`bash scripts/test.sh --full` runs them)")
+# a test marked `scenarios` is collected where this launch runs every scenario it names (tests/support/tier.py):
+# 4 ranks run a reduced matrix for the suite's time, and the default suite's 2-rank launch leaves the rows of
+# tier "full" to the full tier
+LAUNCH = Launch("run", parity_scenarios)
+scenarios = pytest.mark.scenarios
 
 
 # 4 ranks: the full tier (tests/conftest.py; the default suite keeps 4 ranks in test_launch's 2-node launch,
@@ -31,8 +34,7 @@ REDUCED = ("4 ranks run a reduced matrix for the suite's time (tests.support.sce
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"parity{request.param}")
     msrun(WORKERS / "worker_parity.py", request.param, out, worker_args(request.config), timeout=1800)
-    ran = [s.name for s in parity_scenarios(request.param, full_tier(request.config))]
-    return request.param, Results(out, ran, [s.name for s in parity_scenarios(2)], REDUCED)
+    return request.param, Results(out, parity_scenarios(request.param, full_tier(request.config)))
 
 
 def test_collectives_and_plan_mismatch(run):
@@ -67,7 +69,8 @@ def test_fusion_cuts_collectives_per_step(run):
         assert plain["all_reduce"]["calls"] > fused["all_reduce"]["calls"]
 
 
-@pytest.mark.parametrize("name, ref", [(u[0], u[4]) for u in UNITS], ids=[u[0] for u in UNITS])
+@scenarios(lambda name, ref: [name, ref])
+@pytest.mark.parametrize("name, ref", [(u.name, u.reference) for u in UNITS], ids=[u.name for u in UNITS])
 def test_gather_units_equal_per_parameter_gathers(run, name, ref):
     """Stage 3 with ``gather_units`` (the Cell rule on the GPT, whose tied embedding keeps its own gather; the
     size rule on the mixed-precision net, on the LoRA net's frozen weights, with param_dtype and a forced
@@ -75,9 +78,8 @@ def test_gather_units_equal_per_parameter_gathers(run, name, ref):
     at 2 and 4 ranks: the same values gathered, each gradient reduced by itself as before."""
     n, res = run
     for r in range(n):
-        overflow = " (forced overflow)" if name.startswith("mp-") else ""  # the last rank's step-4 loss is inf
-        assert_same_run(res.load(r, name), res.load(r, ref), f"{name} vs {ref} rank {r}{overflow}", rtol=0.0,
-                        loss_rtol=LOSS_NOISE)
+        assert_same_run(res.load(r, name), res.load(r, ref), f"{name} vs {ref} rank {r}", rtol=0.0,
+                        loss_rtol=LOSS_NOISE, overflow=res.scenario(name).force_overflow)
 
 
 def test_gather_units_cut_the_gathers_counted_in_the_executed_graph(run):
@@ -104,6 +106,7 @@ def test_gather_units_cut_the_gathers_counted_in_the_executed_graph(run):
         assert "weight gathers" not in one["verbose"]
 
 
+@scenarios(lambda stage: [f"fused-{stage}", f"clip-{stage}"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fused_equals_unfused(run, stage):
     """Training with comm_fusion buckets (about three per kind) equals the same run without: bit-identical at
@@ -116,6 +119,7 @@ def test_fused_equals_unfused(run, stage):
         assert_same_run(got, ref, f"fused-{stage} rank {r}", rtol=0.0 if n == 2 else 5e-5)
 
 
+@scenarios(lambda stage: [f"ema-{stage}", "ema-0", "mixed-dp"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_ema_equals_stage0_and_is_sharded_at_stage3(run, stage):
     """The EMA (gathered full, ``@ema``) of every stage equals stage 0's; at stage 3 a rank holds 1/N of it."""
@@ -139,6 +143,7 @@ def test_ema_equals_stage0_and_is_sharded_at_stage3(run, stage):
         assert mem["ema"] == mem0["ema"]
 
 
+@scenarios(lambda stage: [f"offload-{stage}", f"mixed-{stage}"])
 @pytest.mark.parametrize("stage", [1, 3])
 def test_optimizer_offload_equals_on_device(run, stage):
     n, res = run
@@ -146,6 +151,7 @@ def test_optimizer_offload_equals_on_device(run, stage):
         assert_same_run(res.load(r, f"offload-{stage}"), res.load(r, f"mixed-{stage}"), f"offload-{stage} rank {r}")
 
 
+@scenarios(lambda model: [f"{model}-0", f"{model}-dp"])
 @pytest.mark.parametrize("model", MODELS)
 def test_stage0_equals_plain_data_parallel(run, model):
     n, res = run
@@ -153,6 +159,7 @@ def test_stage0_equals_plain_data_parallel(run, model):
         assert_same_run(res.load(r, f"{model}-0"), res.load(r, f"{model}-dp"), f"{model} stage 0 vs DP rank {r}")
 
 
+@scenarios(lambda model, stage: [f"{model}-{stage}", f"{model}-0"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("model", MODELS)
 def test_stage_equals_stage0(run, model, stage):
@@ -177,6 +184,7 @@ def test_prepare_releases_what_it_replaces(run):
             assert c["opt_bytes"] == c["opt_shard_bytes"], (r, key, c)
 
 
+@scenarios(lambda stage: [f"mint-adam-{stage}", "mint-adam-dp", f"mint-sgd-{stage}", "mint-sgd-dp", "mint-sgd-0"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_mint_optim_equals_reference_loop(run, stage):
     """``mindspore.mint.optim``: Adam (AMSGrad, two groups, weight decay) and SGD (Nesterov, weight decay; K=2
@@ -197,6 +205,7 @@ def test_mint_optim_equals_reference_loop(run, stage):
             assert_same_run(sgd, res.load(r, "mint-sgd-0"), f"mint SGD stage {stage} vs stage 0 rank {r}")
 
 
+@scenarios(lambda: [f"{model}-dp" for model in MODELS])
 def test_training_moves(run):
     """Guard against a vacuous parity: every trainable parameter moved from its initial value,
     and the models with smooth targets lower their loss."""
@@ -212,6 +221,7 @@ def test_training_moves(run):
         assert losses[-4:].mean() < losses[:4].mean(), (model, losses)
 
 
+@scenarios(lambda: [f"{model}-{stage}" for model in MODELS for stage in (1, 2, 3)])
 def test_parameters_identical_across_ranks(run):
     n, res = run
     for model in MODELS:
@@ -222,6 +232,7 @@ def test_parameters_identical_across_ranks(run):
                     np.testing.assert_array_equal(a[k], b[k], err_msg=f"{model} stage {stage} {k}")
 
 
+@scenarios(lambda stage: [f"clip-{stage}", "clip-0", "mixed-0"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_clip_grad_global_norm(run, stage):
     n, res = run
@@ -231,6 +242,7 @@ def test_clip_grad_global_norm(run, stage):
     assert rel_err(res.load(0, "clip-0")["param/inp.weight"], res.load(0, "mixed-0")["param/inp.weight"]) > 1e-3
 
 
+@scenarios(lambda stage: [f"accum-{stage}", "accum-dp"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gradient_accumulation(run, stage):
     """K=4 micro-batches of 2 equal plain DP on the concatenated batch of 8 (and stage 0 with K=4)."""
@@ -244,6 +256,7 @@ def test_gradient_accumulation(run, stage):
         assert not got["overflows"].any()
 
 
+@scenarios(lambda stage: [f"overflow-{stage}", "overflow-0", "mixed-0"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_forced_overflow_is_skipped_by_all_ranks(run, stage):
     """Step 4 has inf in the last rank's input only: every rank reports overflow, skips the update,
@@ -275,6 +288,7 @@ def _padding_and_replicated(res, scenario, n, replicated=()):
     return pad, repl
 
 
+@scenarios(lambda: ["lora-dp"] + [f"lora-{stage}" for stage in (0, 1, 2, 3)])
 def test_frozen_weights_are_sharded_at_stage3_and_buffers_keep_counting(run):
     """The adapter network (a frozen embedding and base layers, trainable adapters, a BatchNorm, a step
     counter it writes): at stage 3 a rank holds 1/N of the frozen weights too (the parameters it holds are
@@ -295,6 +309,7 @@ def test_frozen_weights_are_sharded_at_stage3_and_buffers_keep_counting(run):
                 np.testing.assert_array_equal(got["param/" + name], init["param/" + name], err_msg=f"{stage} {name}")
 
 
+@scenarios(lambda stage: [f"mixed-{stage}", "mixed-0", f"accum-{stage}", "accum-0"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_memory_report(run, stage):
     """Bytes each rank holds: optimizer moments are 1/N of stage 0's plus padding (and the replicated
@@ -328,6 +343,7 @@ def test_memory_report(run, stage):
             assert ak["gradients"] == a0["gradients"]
 
 
+@scenarios(lambda name, accum: [f"{name}-{stage}" for stage in ((1, 2, 3) if accum else (0, 1, 2, 3))])
 @pytest.mark.parametrize("name,accum", [("awkward", False), ("accum", True)])
 def test_measured_memory_agrees_with_estimate(run, name, accum):
     """memory_report (bytes of the tensors each rank holds) vs estimate_memory before any run, on the
@@ -351,6 +367,7 @@ def test_measured_memory_agrees_with_estimate(run, name, accum):
 # reduction; accumulation before or after it), so parity is held to fp16 rounding, not to fp32's 1e-5.
 
 
+@scenarios(lambda model, stage: [f"mp-{model}-{stage}", f"mp-{model}-0"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("model", ["mixed", "gpt", "resnet", "lora"])
 def test_mixed_precision_stage_equals_stage0(run, model, stage):
@@ -358,11 +375,12 @@ def test_mixed_precision_stage_equals_stage0(run, model, stage):
     and fp32 masters, ``@master``), including a forced fp16 overflow skipped by all ranks (mixed) and frozen
     fp16 weights sharded at stage 3 (lora). At 4 ranks stage 3 only (suite time; stages 1-2 at 4 ranks:
     mp-accum); the default suite's 2-rank launch runs stages 1-2 of the mixed net and stage 3 of the mixed and lora
-    nets (``FULL_TIER_ONLY``; the hybrid launch's mp-h3 runs the gpt in fp16 at stage 3)."""
+    nets (tier "full" rows; the hybrid launch's mp-h3 runs the gpt in fp16 at stage 3)."""
     n, res = run
     for r in range(n):
         got, ref = res.load(r, f"mp-{model}-{stage}"), res.load(r, f"mp-{model}-0")
-        assert_same_run(got, ref, f"mp-{model} (forced overflow) stage {stage} rank {r}", rtol=RTOL_FP16)
+        assert_same_run(got, ref, f"mp-{model} stage {stage} rank {r}", rtol=RTOL_FP16,
+                        overflow=res.scenario(f"mp-{model}-{stage}").force_overflow)
         assert got["overflows"].tolist() == ref["overflows"].tolist()
         masters = [k for k in ref if k.endswith("@master")]
         assert masters and all(ref[k].dtype == np.float32 for k in masters)
@@ -374,23 +392,22 @@ def test_mixed_precision_stage_equals_stage0(run, model, stage):
             assert got["scales"][5] == got["scales"][4] / 2, got["scales"]
 
 
+@scenarios(lambda name, ref: [name, ref])
 @pytest.mark.parametrize("name,ref", [("mp-offload-3", "mp-mixed-3"), ("mp32-mixed-3", "mp32-mixed-0")],
                          ids=["optimizer_offload", "reduce_dtype_float32"])
 def test_mixed_precision_variants(run, name, ref):
     """2 ranks: ``optimizer_offload=True`` equals the update on the device; ``reduce_dtype=float32`` at stage 3
     (reduce-scatter of fp32 gradients from the fp16 gather's backward) equals stage 0 (fp32 all-reduce)."""
     n, res = run
-    if n == 4:
-        pytest.skip("run at 2 ranks only (suite time)")
     for r in range(n):
-        assert_same_run(res.load(r, name), res.load(r, ref), f"{name} (forced overflow) rank {r}", rtol=RTOL_FP16)
+        assert_same_run(res.load(r, name), res.load(r, ref), f"{name} rank {r}", rtol=RTOL_FP16,
+                        overflow=res.scenario(name).force_overflow)
 
 
+@scenarios(lambda: ["mp-long-0", "fp32-long-0"])
 def test_mixed_precision_tracks_fp32_training(run):
     """Stage 0 with param_dtype=float16 follows the fp32 run of the same network over 20 steps (2 ranks)."""
     n, res = run
-    if n == 4:
-        pytest.skip("run at 2 ranks only (suite time)")
     for r in range(n):
         mp, fp32 = res.load(r, "mp-long-0"), res.load(r, "fp32-long-0")
         assert len(mp["losses"]) == 20
@@ -404,21 +421,21 @@ def test_mixed_precision_tracks_fp32_training(run):
 FP32_CELLS = {"mlp": (), "normed": ("1.", "4."), "gpt": ("block.ln1.", "block.ln2.", "ln_f.")}
 
 
+@scenarios(lambda model, stage: [f"auto-{model}-{stage}", f"auto-{model}-0"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("model", [m for m, _ in AUTO_AMP_MODELS])
 def test_param_dtype_on_a_float32_network_stage_equals_stage0(run, model, stage):
     """``param_dtype=float16`` on a float32 network that mindzero converts: stages 1-3 equal stage 0 of the same
     policy over 20 steps, the skipped steps included (2 ranks; the default suite runs stage 3 of the mlp, the full
-    tier every model at stages 1-3: ``FULL_TIER_ONLY``)."""
+    tier every model at stages 1-3: tier "full" rows)."""
     n, res = run
-    if n == 4:
-        pytest.skip("run at 2 ranks only (suite time)")
     for r in range(n):
         got, ref = res.load(r, f"auto-{model}-{stage}"), res.load(r, f"auto-{model}-0")
         assert_same_run(got, ref, f"auto-{model} stage {stage} rank {r}", rtol=RTOL_FP16)
         assert got["overflows"].tolist() == ref["overflows"].tolist()
 
 
+@scenarios(lambda model: [f"auto-{model}-0", f"auto32-{model}-0"])
 @pytest.mark.parametrize("model", [m for m, _ in AUTO_AMP_MODELS])
 def test_param_dtype_on_a_float32_network(run, model):
     """``param_dtype=float16`` on a network built in float32 with no mixed-precision setup (an MLP; the example's
@@ -427,8 +444,6 @@ def test_param_dtype_on_a_float32_network(run, model):
     normalization Cells); no step skipped once the loss scale settled; within 2e-2 of the float32 run of the
     same network (the stages against stage 0: the test above)."""
     n, res = run
-    if n == 4:
-        pytest.skip("run at 2 ranks only (suite time)")
     for r in range(n):
         ref, fp32 = res.load(r, f"auto-{model}-0"), res.load(r, f"auto32-{model}-0")
         held = {k[len("param/"):]: v.dtype for k, v in ref.items() if k.startswith("param/") and "@" not in k
@@ -445,14 +460,13 @@ def test_param_dtype_on_a_float32_network(run, model):
         assert fp32["losses"][-1] < fp32["losses"][0] and ref["losses"][-1] < ref["losses"][0]  # both train
 
 
+@scenarios(lambda: ["partial-mlp-0", "partial-mlp-3", "auto-mlp-0"])
 def test_param_dtype_keeps_a_network_the_user_converted(run):
     """An MLP whose backbone the user converted (``auto_mixed_precision(backbone, "O2")``, the loss Cell left as
     built) is kept as it is: it trains in fp16 at stages 0 and 3 with the same results, and its results are not
     those of mindzero's own conversion (which computes the whole ``WithLossCell`` in fp16 up to the loss, the
     targets included), so the user's setup was not replaced."""
     n, res = run
-    if n == 4:
-        pytest.skip("run at 2 ranks only (suite time)")
     for r in range(n):
         ref = res.load(r, "partial-mlp-0")
         assert_same_run(res.load(r, "partial-mlp-3"), ref, f"partial-mlp stage 3 rank {r}", rtol=RTOL_FP16)
@@ -461,6 +475,7 @@ def test_param_dtype_keeps_a_network_the_user_converted(run):
         assert not np.array_equal(ref["losses"], auto["losses"][:len(ref["losses"])])
 
 
+@scenarios(lambda stage: [f"mp-accum-{stage}", "mp-accum-0"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_mixed_precision_with_accumulation_clip_and_ema(run, stage):
     n, res = run
@@ -471,6 +486,7 @@ def test_mixed_precision_with_accumulation_clip_and_ema(run, stage):
         assert emas and all(ref[k].dtype == np.float32 for k in emas)
 
 
+@scenarios(lambda stage: [f"mp-accum-{stage}", "mp-accum-0"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_mixed_precision_memory_is_the_paper_formula(run, stage):
     """fp16 parameters and gradient buffers, fp32 masters and Adam moments (awkward shapes, K=4): what each rank
@@ -492,12 +508,11 @@ def test_mixed_precision_memory_is_the_paper_formula(run, stage):
             assert 0 <= mem[kind] - formula[kind] <= slack, (r, stage, kind, mem[kind], formula[kind], slack)
 
 
+@pytest.mark.ranks(2)  # counted at 2 ranks only (suite time)
 def test_mixed_precision_halves_collective_bytes(run):
     """Counted at the primitive (PyNative, K=2, clip): with param_dtype=float16 every gradient reduction and
     every parameter all-gather moves half the bytes of fp32; the 4-byte overflow flag and clip norm stay."""
     n, res = run
-    if n == 4:
-        pytest.skip("counted at 2 ranks only (suite time)")
     counts = res.json(0, "collective_counts.json")
     for stage in (0, 1, 2, 3):
         fp32, fp16 = counts[f"{stage}-plain"]["counted"], counts[f"{stage}-plain-fp16"]["counted"]
@@ -508,6 +523,7 @@ def test_mixed_precision_halves_collective_bytes(run):
         assert fp16["all_reduce"]["bytes"] > 8 and fp16["all_reduce"]["calls"] == fp32["all_reduce"]["calls"]
 
 
+@scenarios(lambda name, ref: [name, ref])  # 2 ranks (4 ranks: hybrid 2x2 in test_hybrid.py)
 @pytest.mark.parametrize("name,ref", [(f"real-{f}{s}", f"{'fused' if f else 'clip'}-{s}") for s in (1, 2, 3)
                                       for f in ("", "fused-")] + [("real-mp-3", "mp-mixed-3")])
 def test_gpu_ascend_path_equals_the_cpu_path(run, name, ref):
@@ -517,22 +533,18 @@ def test_gpu_ascend_path_equals_the_cpu_path(run, name, ref):
     (``mindzero.comm.substitute_collectives``), equals the CPU path, itself equal to plain data parallel, to
     the bit: with 2 ranks every sum has two terms, so no summation order can differ."""
     n, res = run
-    if n == 4:
-        pytest.skip("run at 2 ranks (4 ranks: hybrid 2x2 in test_hybrid.py)")
     for r in range(n):
         got, base = res.load(r, name), res.load(r, ref)
         assert not got["emulated"] and base["emulated"] == ON_CPU, "the scenario did not take the path it names"
-        forced = " (forced overflow)" if name == "real-mp-3" else ""  # step 4 has inf in the last rank's input
-        assert_same_run(got, base, f"{name} vs {ref}{forced} rank {r}", rtol=0.0)
+        assert_same_run(got, base, f"{name} vs {ref} rank {r}", rtol=0.0, overflow=res.scenario(name).force_overflow)
         assert got["overflows"].tolist() == base["overflows"].tolist()
 
 
+@scenarios(lambda: ["real-accum-2", "accum-2", "accum-dp"])
 def test_gpu_ascend_path_accumulation_equals_plain_data_parallel(run):
     """2 ranks, the GPU/Ascend path, stage 2 with K=4 (sharded buffers fed by the real reduce-scatter of each
     micro-step) equals plain DP on the concatenated batch of 8, and the CPU path bit for bit."""
     n, res = run
-    if n == 4:
-        pytest.skip("run at 2 ranks")
     for r in range(n):
         got, cpu, dp = res.load(r, "real-accum-2"), res.load(r, "accum-2"), res.load(r, "accum-dp")
         assert not got["emulated"]

@@ -5,12 +5,14 @@ One msrun launch per world size (``worker_init.py``). A network built lazily mus
 identically; no rank may hold more than its shards plus one full tensor while building and preparing.
 """
 import json
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from mindzero.launch.local import msrun
 from tests.support.compare import load_npz
-from tests.support.tier import full_tier
+from tests.support.tier import Launch, full_tier
 
 from . import WORKERS
 MARGIN_MIB = 64  # framework allocations during prepare (the plan check compiles a small graph)
@@ -22,6 +24,13 @@ MARGIN_MIB = 64  # framework allocations during prepare (the plan check compiles
 # different (optimizer states only; everything), to keep the suite's time.
 ALL_STAGES = (0, 1, 2, 3)
 STAGES_AT = {(2, True): (ALL_STAGES, ALL_STAGES), (2, False): ((0, 1, 3), ALL_STAGES), (4, True): ((1, 3), (1, 3))}
+
+
+MODELS = ("lm", "zoo", "vit")
+# a comparison is collected where its launch compares that stage (tests/support/tier.py)
+LAUNCH = Launch("run", lambda n, full: [SimpleNamespace(name=f"{model}-{stage}") for model in MODELS
+                                        for stage in STAGES_AT[n, full][0]]
+                + [SimpleNamespace(name=f"pretrained-{stage}") for stage in STAGES_AT[n, full][1]])
 
 
 def stages_arg(stages) -> str:
@@ -43,17 +52,15 @@ def load(out, rank, name):
     return load_npz(out / f"rank_{rank}" / f"{name}.npz")
 
 
+@pytest.mark.scenarios(lambda model, stage: [f"{model}-{stage}"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("model", ["lm", "zoo", "vit"])
+@pytest.mark.parametrize("model", MODELS)
 def test_lazy_build_equals_eager_build(run, model, stage):
     """Initial full values (gathered after prepare) and, for the trainable models, 3 steps of losses and the
     final values equal the eager build's exactly: MindSpore's initializers, a user's own initializer, Sparse,
     re-initialisation with set_data (mindcv's vision transformer), NumPy-made, replicated and BatchNorm
     parameters."""
     n, out, compared, _ = run
-    if stage not in compared:
-        pytest.skip(f"stage {stage} is not compared in this tier at {n} ranks (only stages {compared}; suite time: "
-                    "`bash scripts/test.sh --full` compares every stage at 2 ranks)")
     for r in range(n):
         eager, lazy = load(out, r, f"{model}-{stage}-eager"), load(out, r, f"{model}-{stage}-lazy")
         assert sorted(eager) == sorted(lazy)
@@ -124,6 +131,7 @@ def test_stage2_frees_each_gradient_as_backward_produces_it(run):
         assert one["peak_mib"] >= 0.25 * one["grad_mib"], (r, one, two)
 
 
+@pytest.mark.scenarios(lambda stage: [f"pretrained-{stage}"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_load_pretrained_equals_loading_before_prepare(run, stage):
     """A plain checkpoint of the standalone GPT (``mindspore.save_checkpoint``: names without the wrapper's
@@ -131,8 +139,6 @@ def test_load_pretrained_equals_loading_before_prepare(run, stage):
     training, of the same file loaded the plain MindSpore way before prepare; at stage 3 also into a step
     built under ``lazy_init``."""
     n, out, compared, pretrained = run
-    if stage not in pretrained:
-        pytest.skip(f"stage {stage} at 2 ranks; at {n} ranks only stages {pretrained} (suite time)")
     for r in range(n):
         eager = load(out, r, f"pretrained-{stage}-eager")
         kinds = ("loaded", "lazy") if stage == 3 else ("loaded",)

@@ -4,7 +4,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 RTOL = 1e-5  # fp32 parity between stages and with plain data parallel (mostly exact; docs/parity.md)
 # a step's local loss of two runs whose parameters are bit-identical: measured 1 ulp apart at one step of 20
@@ -21,20 +20,21 @@ ON_CPU = os.environ.get("MINDZERO_DEVICE", "CPU") == "CPU"
 
 
 class Results:
-    """The files one launch wrote (``<out>/rank_<r>/<name>.npz``). ``ran``: the scenario names this launch
-    ran; ``known``: every name a test may ask for. A name not known fails (a misspelt name must not skip);
-    a known name this launch did not run skips, saying so."""
+    """The files one launch wrote (``<out>/rank_<r>/<name>.npz``) and the :class:`~tests.support.scenarios.Scenario`
+    records it ran. A test reads only scenarios its launch ran (the collection hook deselects the others:
+    :func:`tests.support.tier.deselect`); asking for any other name fails."""
 
-    def __init__(self, out, ran, known=None, why_not: str = ""):
-        self.out, self.ran = Path(out), list(ran)
-        self.known = set(self.ran) | set(known or ())
-        self.why_not = why_not
+    def __init__(self, out, scenarios):
+        self.out, self.scenarios = Path(out), {s.name: s for s in scenarios}
+
+    def scenario(self, name: str):
+        if name not in self.scenarios:
+            raise AssertionError(f"scenario {name!r} is not in this launch's matrix (a misspelt name, or a test the "
+                                 f"collection should have deselected); it ran {sorted(self.scenarios)}")
+        return self.scenarios[name]
 
     def load(self, rank: int, name: str) -> dict:
-        if name not in self.known:
-            raise AssertionError(f"scenario {name!r} is unknown (a misspelt name?); known: {sorted(self.known)}")
-        if name not in self.ran:
-            pytest.skip(f"{name} is not in this launch's matrix{': ' + self.why_not if self.why_not else ''}")
+        self.scenario(name)
         return load_npz(self.out / f"rank_{rank}" / f"{name}.npz")
 
     def json(self, rank: int, name: str):
@@ -51,11 +51,12 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)) if b.size else 0.0
 
 
-def assert_same_run(got, ref, what, rtol=RTOL, loss_rtol=None):
-    """Two runs' losses (where the reference is finite) within ``loss_rtol`` (default ``rtol``) and every final
-    parameter (``param/...``) within ``rtol`` relative (0: bit for bit)."""
+def assert_same_run(got, ref, what, rtol=RTOL, loss_rtol=None, overflow=False):
+    """Two runs' losses (where the reference is finite; every one unless ``overflow``: the scenario forces one)
+    within ``loss_rtol`` (default ``rtol``) and every final parameter (``param/...``) within ``rtol`` relative
+    (0: bit for bit)."""
     assert len(got["losses"]) == len(ref["losses"]) >= 10, what
-    assert np.all(np.isfinite(ref["losses"])) or "overflow" in what
+    assert overflow or np.all(np.isfinite(ref["losses"])), f"{what}: a loss is not finite in a run without a forced overflow"
     finite = np.isfinite(ref["losses"])
     err = rel_err(got["losses"][finite], ref["losses"][finite])
     bound = rtol if loss_rtol is None else loss_rtol

@@ -14,6 +14,8 @@ DYNAMIC = {"init_loss_scale": 4096.0, "scale_factor": 2.0, "scale_window": 50}  
 CLIP = {"clip_grad": True, "clip_norm": 0.05}
 EMA = {"ema": 0.99, "updates": 500}
 FP16 = {"param_dtype": "float16", "scale_sense": DYNAMIC}
+DEFAULT, FULL = "default", "full"  # the tiers (tests/support/tier.py)
+TIERS = (DEFAULT, FULL)
 
 
 @dataclass(frozen=True)
@@ -23,8 +25,11 @@ class Scenario:
     MindSpore's ``nn.TrainOneStepCell``; with ``gradient_accumulation_steps`` K in ``settings``, on the K
     micro-batches concatenated) or by mindzero at ``stage`` with ``settings``.
 
-    ``force_overflow``: the last rank's input holds inf at step 4. ``substitute``: the GPU/Ascend code path
-    with CPU-legal primitives (:func:`mindzero.comm.substitute_collectives`). With ``param_dtype`` in
+    ``force_overflow``: the last rank's input holds inf at step 4 (its loss there is inf: comparisons say so).
+    ``substitute``: the GPU/Ascend code path with CPU-legal primitives
+    (:func:`mindzero.comm.substitute_collectives`). ``tier``: ``"default"``, or ``"full"``: a row the default
+    suite leaves to the full tier (a sibling row of the default suite runs the same code path).
+    ``reference``: the scenario it must equal, where one is named by the row itself. With ``param_dtype`` in
     ``settings`` the network computes in fp16, converted as ``amp`` says: ``"O2"``: by the test, wholly
     (``mindspore.amp.auto_mixed_precision(net, "O2")``); ``"partial"``: by the test, the backbone of a
     ``WithLossCell`` only; ``"auto"``: not by the test (mindzero converts a network with no setup of its own).
@@ -39,8 +44,12 @@ class Scenario:
     force_overflow: bool = False
     substitute: bool = False
     amp: str = "O2"
+    tier: str = DEFAULT
+    reference: str = ""
 
     def __post_init__(self):
+        if self.tier not in TIERS:
+            raise ValueError(f"scenario {self.name!r}: tier must be one of {TIERS}, got {self.tier!r}")
         if self.model not in MODELS:
             raise ValueError(f"scenario {self.name!r}: model {self.model!r} is not one of {sorted(MODELS)}")
         if self.optimizer not in {*OPTIMIZERS, "adamw_groups"}:
@@ -75,41 +84,37 @@ AUTO_AMP_MODELS = (("mlp", "adam"), ("gpt", "sgd_decay"), ("normed", "adamw"))
 AUTO_AMP_STEPS = 20
 
 
-# Rows the default suite's launches leave to the full tier (tests/conftest.py; the default suite stays under 30
-# minutes): each has a sibling in the default suite that runs the same code path. Parity at 2 ranks: the automatic
-# fp16 conversion at stages 1-2, and of the gpt and normed models at stage 3 (every model's conversion at stage 0
-# and the mlp's at stage 3 stay; stages 1-2 share their reduction with mp-mixed-1/2) and fp16 of the gpt, resnet
-# and lora models at stages 1-2 and of gpt and resnet at stage 3 (mp-mixed and mp-accum keep fp16 at every stage,
-# mp-lora-3 frozen fp16 weights sharded at stage 3; the hybrid launch's mp-h3 the gpt in fp16 at stage 3). Hybrid: the models other than the mixed net at hybrid stages 0-2
-# (their stage 3 stays, with mixed-h0..h3, clip-h1..h3, overflow-h1..h3 and accum-h2/h3), and the fused
-# GPU/Ascend path at hybrid stage 2 (fused at 1 and 3 stay).
-FULL_TIER_ONLY = frozenset(
-    [f"auto-{model}-{stage}" for model, _ in AUTO_AMP_MODELS for stage in (1, 2)]
-    + ["auto-gpt-3", "auto-normed-3"]
-    + [f"mp-{model}-{stage}" for model in ("gpt", "resnet", "lora") for stage in (1, 2)]
-    + ["mp-gpt-3", "mp-resnet-3"]
-    + [f"{model}-h{stage}" for model in PARITY_MODELS if model != "mixed" for stage in (0, 1, 2)]
-    + ["real-fused-h2"]
-    # gather_units: the default suite keeps the Cell rule on the GPT (tied weights kept out), the GPU/Ascend path
-    # and hybrid (units-h3); the size rule, frozen weights and param_dtype run in the full tier
-    + ["units-mixed-3", "units-lora-3", "mp-units-3"])
+#: stage 3's gather_units scenarios: each equals its ``reference`` bit for bit (the same values gathered, the same
+#: per-parameter reductions). The default suite keeps the Cell rule on the GPT (tied weights kept out) and the
+#: GPU/Ascend path; the size rule, frozen weights and param_dtype run in the full tier.
+UNITS = [Scenario("units-gpt-3", "gpt", "sgd_decay", 3, {"gather_units": "block"}, reference="gpt-3"),
+         Scenario("units-mixed-3", "mixed", "adamw_groups", 3, {"gather_units": 1 << 20}, tier=FULL, reference="mixed-3"),
+         Scenario("units-lora-3", "lora", "adamw", 3, {"gather_units": 1 << 20}, tier=FULL, reference="lora-3"),
+         Scenario("mp-units-3", "mixed", "adamw_groups", 3, {**FP16, "gather_units": 1 << 20}, force_overflow=True,
+                  tier=FULL, reference="mp-mixed-3"),
+         Scenario("real-units-3", "mixed", "adamw_groups", 3, {**CLIP, "gather_units": trainable_bytes("mixed") // 2},
+                  substitute=True, reference="real-3")]
 
-#: stage 3's gather_units scenarios (name, model, optimizer, settings, reference): each equals its reference
-#: bit for bit (the same values gathered, the same per-parameter reductions)
-UNITS = [("units-gpt-3", "gpt", "sgd_decay", {"gather_units": "block"}, "gpt-3"),
-         ("units-mixed-3", "mixed", "adamw_groups", {"gather_units": 1 << 20}, "mixed-3"),
-         ("units-lora-3", "lora", "adamw", {"gather_units": 1 << 20}, "lora-3"),
-         ("mp-units-3", "mixed", "adamw_groups", {**FP16, "gather_units": 1 << 20}, "mp-mixed-3"),
-         ("real-units-3", "mixed", "adamw_groups", {**CLIP, "gather_units": trainable_bytes("mixed") // 2}, "real-3")]
+
+def in_tier(scenarios, full_tier: bool) -> list:
+    """The scenarios a tier runs: every one in the full tier, the ``"default"`` ones in the default suite."""
+    return [s for s in scenarios if full_tier or s.tier == DEFAULT]
 
 
 def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
-    """Every scenario of one parity launch (without ``full_tier``, the default suite's: less
-    :data:`FULL_TIER_ONLY`). 2 ranks run the full matrix. 4 ranks (to keep the suite's time) run
+    """Every scenario of one parity launch (without ``full_tier``, the default suite's: the rows of tier
+    ``"full"`` left out). 2 ranks run the full matrix. 4 ranks (to keep the suite's time) run
     every model at every stage, accumulation at every stage (the memory accounting) and ``mp-accum``
     (accumulation, clipping and EMA in fp16) at every stage, but clipping, forced overflow, EMA, comm_fusion and
     the mixed net in fp16 and the mint.optim rows at stages 0 and 3 only, offload at stage 3, gpt and resnet in fp16 at stages 0 and 3
-    (stage 3: its own fp16 code path: fp16 gathers, reduce_dtype in the gather's backward)."""
+    (stage 3: its own fp16 code path: fp16 gathers, reduce_dtype in the gather's backward).
+
+    The default suite's 2-rank launch leaves the rows marked ``tier=FULL`` to the full tier, each with a sibling
+    that runs its code path: mindzero's fp16 conversion (``auto-``) at stages 1-2 (stages 1-2 share their
+    reduction with mp-mixed-1/2) and of the gpt and normed nets at stage 3 (the mlp's stays), fp16 of the gpt,
+    resnet and lora nets at stages 1-2 and of the gpt and resnet at stage 3 (mp-mixed and mp-accum keep fp16 at
+    every stage, mp-lora-3 frozen fp16 weights at stage 3, the hybrid launch's mp-h3 the gpt in fp16 at stage 3),
+    and the gather_units rows by size, on frozen weights and with param_dtype (:data:`UNITS`)."""
     full = world_size == 2
     some = (0, 1, 2, 3) if full else (0, 3)
     out = [Scenario(f"{model}-{stage}", model, opt, stage) for model, opt in MODEL_OPTIMIZERS
@@ -126,7 +131,10 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
         out.append(Scenario(f"offload-{stage}", "mixed", "adamw_groups", stage, {"optimizer_offload": True}))
     for model, opt in [m for m in MODEL_OPTIMIZERS if m[0] != "awkward"]:
         for stage in some:  # fp16 params, fp32 masters, dynamic scale
-            out.append(Scenario(f"mp-{model}-{stage}", model, opt, stage, FP16, force_overflow=model == "mixed"))
+            full_only = (model in ("gpt", "resnet", "lora") and stage in (1, 2)) or (model, stage) in (("gpt", 3),
+                                                                                                  ("resnet", 3))
+            out.append(Scenario(f"mp-{model}-{stage}", model, opt, stage, FP16, force_overflow=model == "mixed",
+                                tier=FULL if full_only else DEFAULT))
     if full:
         out.append(Scenario("mp-offload-3", "mixed", "adamw_groups", 3, {**FP16, "optimizer_offload": True},
                             force_overflow=True))
@@ -140,7 +148,8 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
                             {**FP16, **CLIP, **EMA, "gradient_accumulation_steps": 4}))
     if full:  # param_dtype on float32 networks without a setup of their own: mindzero converts them (20 steps)
         for model, opt in AUTO_AMP_MODELS:
-            out += [Scenario(f"auto-{model}-{stage}", model, opt, stage, FP16, steps=AUTO_AMP_STEPS, amp="auto")
+            out += [Scenario(f"auto-{model}-{stage}", model, opt, stage, FP16, steps=AUTO_AMP_STEPS, amp="auto",
+                             tier=FULL if stage in (1, 2) or (stage == 3 and model != "mlp") else DEFAULT)
                     for stage in (0, 1, 2, 3)]
             out.append(Scenario(f"auto32-{model}-0", model, opt, 0, {"scale_sense": DYNAMIC}, steps=AUTO_AMP_STEPS))
         # the backbone converted by the user, the loss Cell not: kept exactly as it is
@@ -162,11 +171,10 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
         out.append(Scenario(f"mint-adam-{stage}", "mixed", "mint_adam", stage))
         out.append(Scenario(f"mint-sgd-{stage}", "gpt", "mint_sgd", stage,
                             {**CLIP, "gradient_accumulation_steps": 2}))
-    for name, model, opt, settings, _ in UNITS:
-        if full or name == "units-gpt-3":  # (4 ranks: real-3 and mp-mixed-3 are not in the reduced matrix)
-            out.append(Scenario(name, model, opt, 3, settings, substitute=name.startswith("real-"),
-                                force_overflow=name.startswith("mp-")))
-    return out if full_tier else [s for s in out if s.name not in FULL_TIER_ONLY]
+    names = {s.name for s in out}
+    # 4 ranks: the default tier's rows whose reference runs there (real-3 is not in the reduced matrix)
+    out += [u for u in UNITS if u.reference in names and (full or u.tier == DEFAULT)]
+    return in_tier(out, full_tier)
 
 
 HYBRID = {"hybrid_shard_size": 2}
@@ -174,11 +182,14 @@ HYBRID = {"hybrid_shard_size": 2}
 
 def hybrid_scenarios(full_tier: bool = True) -> list:
     """Every scenario of the hybrid launch (4 ranks, op groups of 2, two replicas) and its plain-DP references
-    (without ``full_tier``, the default suite's: less :data:`FULL_TIER_ONLY`)."""
+    (without ``full_tier``, the default suite's: the models other than the mixed net at hybrid stages 0-2 and the
+    fused GPU/Ascend path at hybrid stage 2 are left to the full tier; their stage 3, mixed-h0..h3, clip-h1..h3,
+    overflow-h1..h3, accum-h2/h3 and the fused path at hybrid stages 1 and 3 stay)."""
     out = []
     for model, opt in MODEL_OPTIMIZERS:
         out.append(Scenario(f"{model}-dp", model, opt, "dp"))
-        out += [Scenario(f"{model}-h{stage}", model, opt, stage, HYBRID) for stage in (0, 1, 2, 3)]
+        out += [Scenario(f"{model}-h{stage}", model, opt, stage, HYBRID,
+                         tier=FULL if model != "mixed" and stage < 3 else DEFAULT) for stage in (0, 1, 2, 3)]
     out += [Scenario(f"clip-h{stage}", "mixed", "adamw_groups", stage, {**HYBRID, **CLIP}) for stage in (1, 2, 3)]
     out.append(Scenario("overflow-dp0", "mixed", "adamw_groups", 0, {"scale_sense": DYNAMIC}, force_overflow=True))
     out += [Scenario(f"overflow-h{stage}", "mixed", "adamw_groups", stage, {**HYBRID, "scale_sense": DYNAMIC},
@@ -189,13 +200,13 @@ def hybrid_scenarios(full_tier: bool = True) -> list:
             for stage in (2, 3)]
     out.append(Scenario("mp-flat0", "gpt", "sgd_decay", 0, FP16))
     out.append(Scenario("mp-h3", "gpt", "sgd_decay", 3, {**HYBRID, **FP16}))  # param_dtype=float16 inside the op groups
-    out.append(Scenario("units-h3", "gpt", "sgd_decay", 3, {**HYBRID, "gather_units": "block"}))  # vs gpt-h3
+    out.append(Scenario("units-h3", "gpt", "sgd_decay", 3, {**HYBRID, "gather_units": "block"}, reference="gpt-h3"))
     for stage in (1, 2, 3):  # the GPU/Ascend path: op-group ReduceScatter + dp-group AllReduce, CPU-legal
         for fused in (False, True):
             settings = {**HYBRID, **CLIP, **({"comm_fusion": thirds("mixed")} if fused else {})}
             out.append(Scenario(f"real-{'fused-' if fused else ''}h{stage}", "mixed", "adamw_groups", stage, settings,
-                                substitute=True))
-    return out if full_tier else [s for s in out if s.name not in FULL_TIER_ONLY]
+                                substitute=True, tier=FULL if fused and stage == 2 else DEFAULT))
+    return in_tier(out, full_tier)
 
 
 @dataclass(frozen=True)
