@@ -27,7 +27,8 @@ from pathlib import Path
 
 from mindspore.train import Callback
 
-from ..core.config import CheckpointOptions, merge_settings
+from ..core.config import CheckpointOptions
+from ..core.options import merge_settings
 from ..core.settings import resolve_settings
 from ..comm.cells import Barrier
 from .directory import CheckpointError, complete_checkpoints, latest_checkpoint, read_trainer_state

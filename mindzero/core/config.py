@@ -7,7 +7,7 @@ communication fusion (:class:`FusionConfig`), the groups (:class:`GroupPolicy`) 
 parses its own arguments and raises ``ValueError`` naming the argument, the value and the rule. The
 keyword arguments (:meth:`ZeroConfig.from_arguments`) and the settings file (:mod:`mindzero.core.settings`,
 which only adds the file and key to the errors) feed the same parsers; :func:`merge_settings` is the one
-rule for a setting given both ways. :class:`CheckpointOptions` does the same for ``ZeroCheckpoint``.
+rule for a setting given both ways (:mod:`mindzero.core.options`: the table of every option). :class:`CheckpointOptions` does the same for ``ZeroCheckpoint``.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from .checks import is_int, is_number, require_bool, require_int
+from .options import ARGUMENT_DEFAULTS
 from .quant import GatherQuantization
 from .units import GatherUnits
 
@@ -408,60 +409,6 @@ class ZeroConfig:
                                               GatherUnits.parse(a["gather_units"])))
 
 
-@dataclass(frozen=True)
-class Option:
-    """One option of :func:`mindzero.prepare_train_network`: its name, its default, what it accepts (the rule its
-    parser enforces, as docs/training.md's option list shows it), whether a settings file can hold it, and
-    whether it is a keyword argument (``hybrid_shard_size`` is the file's stand-in for the two group names)."""
-
-    name: str
-    default: object
-    accepts: str
-    in_settings: bool = True
-    argument: bool = True
-
-
-#: every option, in ``prepare_train_network``'s order (mindone's for the first sixteen: positional calls keep
-#: working): the one table its signature, the settings file, :meth:`ZeroConfig.from_arguments` and the docs'
-#: option list are checked against (tests/unit/test_config.py, tests/single/test_public_api.py)
-OPTIONS = (
-    Option("scale_sense", 1.0, "a number > 0, a scalar Tensor, a loss-scale update Cell, or "
-                               "`{init_loss_scale, scale_factor, scale_window}`"),
-    Option("ema", None, "`None`, a decay in (0, 1), or mindone's `EMA`"),
-    Option("updates", 0, "an int >= 0: the EMA's initial step count (needs `ema`)"),
-    Option("drop_overflow_update", True, "a bool"),
-    Option("gradient_accumulation_steps", 1, "an int >= 1"),
-    Option("clip_grad", False, "a bool"),
-    Option("clip_norm", 1.0, "a number > 0"),
-    Option("verbose", False, "a bool"),
-    Option("zero_stage", 0, "0, 1, 2 or 3"),
-    Option("optimizer_offload", False, "a bool"),
-    Option("optimizer_parallel_group", None, "`None` or a group name", in_settings=False),
-    Option("dp_group", None, "`None` or a group name", in_settings=False),
-    Option("comm_fusion", None, "`None` or `{kind: {openstate, bucket_size}}` for the kinds allreduce, reduce_scatter, allgather"),
-    Option("parallel_modules", None, "`None` (mindone's; not needed)", in_settings=False),
-    Option("stage3_regather", True, "a bool (stage 3)"),
-    Option("param_dtype", None, "`None`, float16 or bfloat16"),
-    Option("reduce_dtype", None, "`None`, float32, float16 or bfloat16"),
-    Option("shard_frozen", True, "a bool (stage 3)"),
-    Option("gather_quantization", None, "`None`, `\"int8\"` or `{kind, block_size, min_numel, exclude}` (stage 3)"),
-    Option("gather_units", None, "`None`, bytes per unit, or Cell-name patterns (stage 3, graph mode)"),
-    Option("hybrid_shard_size", None, "`None` or an int >= 1: ranks per op group", argument=False),
-)
-#: option name -> default
-ARGUMENT_DEFAULTS = {o.name: o.default for o in OPTIONS}
-#: the options a settings file cannot hold (objects of the running job)
-NOT_IN_SETTINGS = tuple(o.name for o in OPTIONS if not o.in_settings)
-
-
-def options_markdown() -> str:
-    """The option list of docs/training.md, made from :data:`OPTIONS` (a test holds the page to it)."""
-    rows = ["| option | default | accepts | settings file |", "|---|---|---|---|"]
-    rows += [f"| `{o.name}` | `{o.default!r}` | {o.accepts} | {'yes' if o.in_settings else 'no'}"
-             f"{'' if o.argument else ' (only there)'} |" for o in OPTIONS]
-    return "\n".join(rows)
-
-
 def check_option(key: str, value) -> None:
     """Validate one option alone, by the policy that parses it (for a settings file, key by key).
 
@@ -478,31 +425,6 @@ def check_option(key: str, value) -> None:
         GatherUnits.parse(value)
     else:
         ZeroConfig.from_arguments({key: value})
-
-
-def off_defaults(explicit: dict, defaults: dict = None) -> dict:
-    """The arguments of ``explicit`` whose value is not their default (``defaults``: :data:`ARGUMENT_DEFAULTS`);
-    types count: ``1`` is not ``True``."""
-    defaults = ARGUMENT_DEFAULTS if defaults is None else defaults
-    return {k: v for k, v in explicit.items() if not (type(v) is type(defaults[k]) and v == defaults[k])}
-
-
-def merge_settings(explicit: dict, settings: dict, defaults: dict = None) -> dict:
-    """The options of a call given both as arguments and by a settings file: ``settings`` plus the
-    arguments that differ from their defaults (``defaults``: :data:`ARGUMENT_DEFAULTS`). The one rule for
-    both sources: a setting given both ways is refused, naming both values.
-
-    Raises:
-        ValueError: ``"<key> is given both as an argument (<value>) and in config (<value>); give each setting
-            once"``.
-    """
-    given = off_defaults(explicit, defaults)
-    both = sorted(set(given) & set(settings))
-    if both:
-        k = both[0]
-        raise ValueError(f"{k} is given both as an argument ({given[k]!r}) and in config ({settings[k]!r}); "
-                         "give each setting once")
-    return {**settings, **given}
 
 
 CHECKPOINT_FORMATS = ("ckpt", "safetensors")

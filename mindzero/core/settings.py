@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import ARGUMENT_DEFAULTS, NOT_IN_SETTINGS, CheckpointOptions, EmaPolicy, MixedPrecision, check_option
+from .config import CheckpointOptions, EmaPolicy, MixedPrecision, check_option
+from .options import ARGUMENT_DEFAULTS, NOT_IN_SETTINGS
 
 SETTING_KEYS = tuple(k for k in ARGUMENT_DEFAULTS if k not in NOT_IN_SETTINGS)
 CHECKPOINT_DEFAULTS = CheckpointOptions().as_dict()

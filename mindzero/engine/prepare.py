@@ -12,7 +12,8 @@ import logging
 from mindspore import nn
 
 from ..comm.groups import world_for
-from ..core.config import OPTIONS, ZeroConfig, merge_settings, off_defaults
+from ..core.config import ZeroConfig
+from ..core.options import OPTIONS, merge_settings, off_defaults
 from ..core.settings import resolve_settings
 from .assemble import assemble
 from .precision import check_precision, computing_in
@@ -94,7 +95,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
             arguments above that a file can hold (``hybrid_shard_size: G`` there creates the hybrid groups:
             :func:`mindzero.create_hybrid_groups`), or a :class:`~mindzero.core.config.ZeroConfig`. An argument
             also given here with a value other than its default is an error (naming both values): one source
-            per setting. The options, their defaults and what each accepts: :data:`mindzero.core.config.OPTIONS`
+            per setting. The options, their defaults and what each accepts: :data:`mindzero.core.options.OPTIONS`
             (docs/training.md).
 
     Returns:

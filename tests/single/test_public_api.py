@@ -70,7 +70,7 @@ def test_prepare_train_network_signature_is_the_options_table():
     defaults."""
     import inspect
 
-    from mindzero.core.config import OPTIONS
+    from mindzero.core.options import OPTIONS
 
     params = inspect.signature(mindzero.prepare_train_network).parameters
     assert list(params)[:2] == ["network", "optimizer"] and list(params)[-1] == "config"

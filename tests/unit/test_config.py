@@ -99,7 +99,7 @@ def test_mixed_precision_bytes_are_the_paper_formula(stage):
 
 
 def test_the_options_table_is_every_option_once():
-    from mindzero.core.config import ARGUMENT_DEFAULTS, NOT_IN_SETTINGS, OPTIONS
+    from mindzero.core.options import ARGUMENT_DEFAULTS, NOT_IN_SETTINGS, OPTIONS
     from mindzero.core.settings import SETTING_KEYS
 
     names = [o.name for o in OPTIONS]
@@ -117,10 +117,10 @@ def test_the_options_table_is_every_option_once():
 def test_the_docs_option_list_is_the_table():
     from pathlib import Path
 
-    from mindzero.core.config import options_markdown
+    from mindzero.core.options import options_markdown
 
     page = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
-    assert options_markdown() in page, "docs/training.md's option list drifted from mindzero.core.config.OPTIONS"
+    assert options_markdown() in page, "docs/training.md's option list drifted from mindzero.core.options.OPTIONS"
 
 
 def test_stage3_policy_is_the_one_stage_3_rule():
