@@ -69,9 +69,9 @@ def main():
                bytes_per_rank=written, **result)
     out = Path(a.out)
     (out / f"rank_{world.world_rank}.json").write_text(json.dumps(res, indent=1))
-    from mindzero.checkpoint.live import _Barrier
+    from mindzero.comm.cells import Barrier
 
-    _Barrier(train.zero_info.world)()
+    Barrier(train.zero_info.world)()
     if world.world_rank == 0:
         shutil.rmtree(root, ignore_errors=True)
     finish_rank(out, world.world_rank)  # the launcher waits for it
