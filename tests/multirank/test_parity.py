@@ -266,7 +266,8 @@ def test_forced_overflow_is_skipped_by_all_ranks(run, stage):
         got = res.load(r, f"overflow-{stage}")
         assert got["overflows"].tolist() == [i == 4 for i in range(10)], (r, got["overflows"])
         assert got["scales"][4] == 2.0 ** 12 and got["scales"][5] == 2.0 ** 11, got["scales"]
-        assert_same_run(got, res.load(r, "overflow-0"), f"overflow stage {stage} rank {r}")
+        assert_same_run(got, res.load(r, "overflow-0"), f"overflow stage {stage} rank {r}",
+                        overflow=res.scenario(f"overflow-{stage}").force_overflow)
     # the skipped update leaves the run where a run without that step's update would be:
     ref, plain = res.load(0, "overflow-0"), res.load(0, "mixed-0")
     np.testing.assert_allclose(ref["losses"][:4], plain["losses"][:4], rtol=RTOL)
