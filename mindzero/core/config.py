@@ -415,16 +415,12 @@ def check_option(key: str, value) -> None:
     Raises:
         ValueError: naming the option, the value and the rule.
     """
-    if key in ("ema", "updates"):
-        EmaPolicy.parse(value if key == "ema" else 0.5, value if key == "updates" else 0)
-    elif key in ("param_dtype", "reduce_dtype"):
-        MixedPrecision.parse(value, None) if key == "param_dtype" else MixedPrecision.parse(None, value)
-    elif key == "gather_quantization":
-        GatherQuantization.parse(value)
-    elif key == "gather_units":
-        GatherUnits.parse(value)
-    else:
-        ZeroConfig.from_arguments({key: value})
+    ZeroConfig.from_arguments({**_CHECK_ALONE, key: value})
+
+
+#: the other options while one is checked alone: the ones a value may need beside it (stage 3 for its options, an
+#: EMA for ``updates``, a loss scale for a 16-bit ``reduce_dtype``); the checked key overrides its own
+_CHECK_ALONE = {"zero_stage": 3, "ema": 0.5, "scale_sense": 2.0}
 
 
 CHECKPOINT_FORMATS = ("ckpt", "safetensors")
