@@ -41,14 +41,11 @@ class Launch:
     ranks: int = None
 
 
-def needed_scenarios(item) -> list:
-    """The scenario names a test item compares: its ``scenarios`` marker's function of the item's parameters
-    (``n``: the launch's rank count)."""
-    marker = item.get_closest_marker("scenarios")
-    fn = marker.args[0]
-    params = dict(getattr(item, "callspec", None).params if hasattr(item, "callspec") else {})
-    launch = item.module.LAUNCH
-    params["n"] = params.get(launch.fixture, launch.ranks)
+def needed_scenarios(item, n: int) -> list:
+    """The scenario names a test item compares: its ``scenarios`` marker's function of the item's parameters and
+    ``n``, the launch's rank count."""
+    fn = item.get_closest_marker("scenarios").args[0]
+    params = {**(item.callspec.params if hasattr(item, "callspec") else {}), "n": n}
     wanted = inspect.signature(fn).parameters
     return list(fn(**{k: v for k, v in params.items() if k in wanted}))
 
@@ -79,7 +76,7 @@ def deselect(items, full: bool) -> tuple:
         if key not in cache:
             cache[key] = {s.name for s in launch.matrix(n, full)}
             cache[key + ("any",)] = {s.name for m in (2, 4) for s in launch.matrix(m, True)}
-        names = needed_scenarios(item)
+        names = needed_scenarios(item, n)
         unknown = [x for x in names if x not in cache[key + ("any",)]]
         if unknown:
             raise ValueError(f"{item.nodeid}: scenario {unknown[0]!r} is in no launch's matrix (a misspelt name?)")
