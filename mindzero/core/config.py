@@ -6,8 +6,9 @@ scale (:class:`LossScale`), the EMA (:class:`EmaPolicy`), mixed precision (:clas
 communication fusion (:class:`FusionConfig`), the groups (:class:`GroupPolicy`) and the flags. Each policy
 parses its own arguments and raises ``ValueError`` naming the argument, the value and the rule. The
 keyword arguments (:meth:`ZeroConfig.from_arguments`) and the settings file (:mod:`mindzero.core.settings`,
-which only adds the file and key to the errors) feed the same parsers; :func:`merge_settings` is the one
-rule for a setting given both ways (:mod:`mindzero.core.options`: the table of every option). :class:`CheckpointOptions` does the same for ``ZeroCheckpoint``.
+which only adds the file and key to the errors) feed the same parsers; :mod:`mindzero.core.options` holds the table
+of every option and ``merge_settings``, the one rule for a setting given both ways. :class:`CheckpointOptions` does
+the same for ``ZeroCheckpoint``.
 """
 from __future__ import annotations
 
@@ -384,7 +385,7 @@ class ZeroConfig:
     @staticmethod
     def from_arguments(arguments: dict) -> "ZeroConfig":
         """The config of ``prepare_train_network``'s keyword arguments (or a settings mapping's keys), each
-        parsed by its policy; a key left out takes its default (:data:`ARGUMENT_DEFAULTS`).
+        parsed by its policy; a key left out takes its default (:data:`mindzero.core.options.ARGUMENT_DEFAULTS`).
 
         Raises:
             ValueError: a bad value (naming the argument, the value and the rule) or an unknown key.

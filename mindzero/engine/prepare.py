@@ -125,7 +125,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
 def zero_config(arguments: dict, config=None) -> ZeroConfig:
     """The :class:`ZeroConfig` of ``prepare_train_network``'s keyword ``arguments`` and its ``config`` (``None``, a
     settings path or mapping, or a ``ZeroConfig``), by the one rule for a setting given both ways
-    (:func:`~mindzero.core.config.merge_settings`).
+    (:func:`~mindzero.core.options.merge_settings`).
 
     Raises:
         ValueError: a bad value, or a setting given both ways (naming both values).

@@ -110,7 +110,7 @@ def _commands(launcher, script, world_size, nodes, out_dir, args, env):
     tail = [str(script), "--out", str(out_dir), *map(str, args)]
     logs = out_dir / "logs"
     if launcher == "msrun":
-        if nodes < 1 or world_size % nodes:
+        if world_size % nodes:  # (nodes >= 1: LaunchOptions)
             raise ValueError(f"nodes={nodes}: must be a positive divisor of world_size={world_size}")
         msrun_bin = str(Path(sys.executable).with_name("msrun"))
         return [[msrun_bin, f"--worker_num={world_size}", f"--local_worker_num={world_size // nodes}",

@@ -9,8 +9,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 FULL_ENV = "MINDZERO_FULL_SUITE"
-FULL_REASON = ("full tier only (the default suite stays under 30 minutes on 2 cores): run "
-               "`bash scripts/test.sh --full` or set MINDZERO_FULL_SUITE=1 (docs/testing.md)")
 
 
 def full_tier(config) -> bool:
