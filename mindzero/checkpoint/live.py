@@ -21,7 +21,8 @@ into place. A rank that fails to write (e.g. a full disk) makes every rank raise
 ``.partial`` directory is removed. A crash leaves at most a
 ``.partial`` directory, which nothing loads; an existing ``<dir>`` is never touched.
 Master shards (stages 1-2) are slices of the saved full parameters and are rebuilt on
-load, except in a ``param_dtype`` run, whose fp32 masters are saved (kind ``master``); accumulation
+load, except in a ``param_dtype`` run, whose fp32 masters are saved (kind ``master``); a split parameter
+(stages 1-2 without ``param_dtype``) is saved and loaded as its full value (:class:`~mindzero.engine.split.FullView`); accumulation
 buffers are empty at an update step, the only time a save is allowed.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ from mindspore import Tensor
 from ..comm.backends import backend_of
 from ..comm.cells import Barrier
 from ..core.plan import shard_array
+from ..engine.split import network_values
 from .directory import CheckpointError
 from .format import SplitInfo, entry_at
 from .tensor_io import MS_TO_NAME
@@ -52,7 +54,7 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
         shape = spec.shape if spec else p.shape
         out.append((entry_at(name, kind, shape, MS_TO_NAME[str(p.dtype)], spec, stage, fmt), p))
 
-    net_params = {p.name: p for p in train_net.network.get_parameters()}
+    net_params = network_values(train_net)
     for spec in info.plan:
         add(spec.name, "parameter", spec.name, net_params[spec.name])
     for attr in info.state_attrs:
@@ -65,7 +67,8 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
         for param_name, p in zip(info.opt_param_names, train_net.ema.ema_weights):
             add(p.name, "ema", param_name, p)
     taken = {id(p) for _, p in out}
-    skip = {id(p) for p in (*info.master_shards, *info.accum_buffers, *train_net.optimizer.parameters)} | taken
+    rests = [pair.held for pair in info.split_pairs]  # saved within their parameters' full values
+    skip = {id(p) for p in (*info.master_shards, *rests, *info.accum_buffers, *train_net.optimizer.parameters)} | taken
     for p in train_net.get_parameters():
         if id(p) not in skip:
             add(p.name, "scalar", "", p)
@@ -188,7 +191,7 @@ def iter_full_tensors(train_net, names=None, ema: bool = False, masters: bool = 
     policy, optimized = info.config.policy, set(info.opt_param_names)
     if ema and masters:
         raise ValueError("gather_full_state_dict: pass ema=True or masters=True, not both")
-    values = {p.name: p for p in train_net.network.get_parameters()}
+    values = network_values(train_net)
     if masters:
         if not info.precision.enabled:
             raise ValueError("gather_full_state_dict(masters=True): this train step keeps no fp32 masters; pass "

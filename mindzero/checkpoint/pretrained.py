@@ -12,6 +12,7 @@ from mindspore import Tensor
 
 from ..core.plan import shard_array
 from ..comm.cells import Barrier
+from ..engine.split import network_values
 from .directory import CheckpointError
 from .live import iter_full_tensors
 from .tensor_io import CheckpointFileError, np_dtype, open_reader, open_writer
@@ -58,7 +59,7 @@ def load_pretrained(train_net, path, strict: bool = True, prefix: str = None) ->
     if failed:
         raise CheckpointError(f"{path}: {failed} other rank(s) could not load it (their logs say why); nothing was "
                               "loaded")
-    params = {p.name: p for p in train_net.network.get_parameters()}
+    params = network_values(train_net)
     states = {ps.name: ps for ps in info.params}
     emas = dict(zip(info.opt_param_names, train_net.ema.ema_weights)) if train_net.has_ema else {}
     stage3 = info.config.policy.shard_parameters
@@ -71,7 +72,7 @@ def load_pretrained(train_net, path, strict: bool = True, prefix: str = None) ->
         param = params[name]
         param.set_data(Tensor(held.astype(_np(param)).reshape(param.shape), param.dtype))
         ps = states.get(name)
-        if ps is not None and ps.master is not None:  # the optimizer's master takes the file's values
+        if ps is not None and ps.master is not None and not ps.master.split:  # the optimizer's master takes the file's values
             master = shard_array(full, spec) if ps.master.shard_of_full else held
             ps.master.master.set_data(Tensor(master.astype(_np(ps.master.master)), ps.master.master.dtype))
         if name in emas:

@@ -76,3 +76,24 @@ def flat_concat(tensors):
     if len(tensors) == 1:
         return tensors[0].reshape((-1,))
     return ops.concat(MAP(flatten, tensors))
+
+
+# --- stages 1-2 split parameters (own shard + the rest) -----------------------------------------------------
+def join_split(own, rest, lo: int):
+    """The padded flat full tensor of a split parameter: ``own`` (this rank's shard) put back at ``lo`` into
+    ``rest`` (the other op ranks' shards, in order); ``lo`` = op rank x shard size."""
+    if lo == 0:
+        return ops.concat((own, rest))
+    if lo == rest.shape[0]:
+        return ops.concat((rest, own))
+    return ops.concat((rest[:lo], own, rest[lo:]))
+
+
+def rest_of(flat, lo: int, hi: int):
+    """The padded flat full tensor ``flat`` without this rank's shard ``[lo, hi)``: the rest (the twin of
+    :func:`join_split`)."""
+    if lo == 0:
+        return flat[hi:]
+    if hi == flat.shape[0]:
+        return flat[:lo]
+    return ops.concat((flat[:lo], flat[hi:]))

@@ -10,8 +10,8 @@ stage  paper (fp16 + fp32     mindzero without ``param_dtype`` (parameters train
        master, Adam)          fp32, Adam, gradient accumulation buffers)
 =====  ====================  ======================================================
 0      2Φ + 2Φ + 12Φ = 16Φ    4Φ + 4Φ + 8Φ = 16Φ
-1      4Φ + 12Φ/N             8Φ + 12Φ/N  (moments 8Φ/N + fp32 master shard 4Φ/N)
-2      2Φ + 14Φ/N             4Φ + 16Φ/N
+1      4Φ + 12Φ/N             8Φ + 8Φ/N   (no master: the parameter is its own, held once)
+2      2Φ + 14Φ/N             4Φ + 12Φ/N
 3      16Φ/N                  16Φ/N
 =====  ====================  ======================================================
 
@@ -54,12 +54,10 @@ def paper_formula(phi: int, stage: int, op_size: int, mixed_precision: bool = Tr
         return {"parameters": part(2 * phi, policy.shard_parameters),
                 "gradients": part(2 * phi, policy.shard_gradients),
                 "optimizer_states": part(k * phi, policy.shard_optimizer_states)}
-    moments = 4 * n_states * phi
-    # fp32: stages 1-2 keep a master shard beside the moments; stage 3's shards are the parameters
-    master = 4 * phi if policy.shard_optimizer_states and not policy.shard_parameters else 0
+    # fp32: the parameters are their own masters (stages 1-2 split each into this rank's shard and the rest)
     return {"parameters": part(4 * phi, policy.shard_parameters),
             "gradients": part(4 * phi, policy.shard_gradients),
-            "optimizer_states": part(moments + master, policy.shard_optimizer_states)}
+            "optimizer_states": part(4 * n_states * phi, policy.shard_optimizer_states)}
 
 
 def _param_infos(network_or_param_shapes, precision: MixedPrecision):
@@ -162,7 +160,7 @@ def main(argv=None) -> int:
           "formula MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     names = {0: "16Φ", 1: "4Φ+12Φ/N", 2: "2Φ+14Φ/N", 3: "16Φ/N"} if a.mixed_precision else \
-        {0: "16Φ", 1: "8Φ+12Φ/N", 2: "4Φ+16Φ/N", 3: "16Φ/N"}
+        {0: "16Φ", 1: "8Φ+8Φ/N", 2: "4Φ+12Φ/N", 3: "16Φ/N"}
     mib = 2 ** 20
     for n in (int(x) for x in a.op_sizes.split(",")):
         for stage in (int(x) for x in a.stages.split(",")):

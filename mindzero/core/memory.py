@@ -8,8 +8,8 @@ Kinds (integer bytes per rank):
   ``gradient_accumulation_steps > 1`` (full at stages 0-1, shards at 2-3); 0
   otherwise, since gradients then live only inside the step;
 * ``optimizer_states``: the optimizer's per-parameter states (moments) plus
-  the master values the optimizer updates (``master_shards``: the fp32 master
-  shards of stages 1-2; with ``param_dtype``, fp32 masters at every stage); step counters
+  the master values the optimizer updates beside the parameters (``master_shards``: with
+  ``param_dtype``, fp32 masters at every stage, shards at stages 1-2); step counters
   and learning rates are not counted.
 
 The ZeRO paper's mixed-precision formulas (16Φ, 4Φ+12Φ/N, 2Φ+14Φ/N, 16Φ/N)
@@ -17,9 +17,10 @@ are what a run with ``param_dtype=float16`` (or bfloat16) allocates, with
 reduce_dtype = param_dtype, Adam and K>1: parameters 2Φ (stage 3: 2Φ/N),
 gradient buffers 2Φ (stages 2-3: 2Φ/N), fp32 master values 4Φ and moments 8Φ
 (stages 1-3: 12Φ/N). Without ``param_dtype`` mindzero trains the parameters in
-their own dtype (fp32 here) and keeps no master copy except the master shard of
-stages 1-2: stage 0: 4Φ + 4Φ + 8Φ; stage 1: 4Φ + 4Φ + 12Φ/N (the master shard
-costs 4Φ/N); stage 2: 4Φ + 4Φ/N + 12Φ/N; stage 3: 4Φ/N + 4Φ/N + 8Φ/N.
+their own dtype (fp32 here) and keeps no master copy: the parameter is its own master (at stages 1-2
+each sharded one is held as this rank's shard, which the optimizer updates, plus the rest: no element
+twice, :mod:`mindzero.engine.split`): stage 0: 4Φ + 4Φ + 8Φ; stage 1: 4Φ + 4Φ + 8Φ/N; stage 2:
+4Φ + 4Φ/N + 8Φ/N; stage 3: 4Φ/N + 4Φ/N + 8Φ/N (gradient buffers as the second term).
 """
 from __future__ import annotations
 
@@ -52,8 +53,12 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
     out["master_shards"] = 0
     mixed = precision.enabled
     for s in plan:
+        # stages 1-2 without param_dtype split each sharded optimized parameter into its shard and the rest
+        split = (s.sharded and s.optimized and policy.shard_optimizer_states and not policy.shard_parameters
+                 and not mixed)
         numel = s.shard_size if (policy.shard_parameters and s.sharded) else s.numel
-        out["parameters"] += numel * s.itemsize
+        held = s.numel + s.padding if split else numel  # the rest and the shard, padding included
+        out["parameters"] += held * s.itemsize
         if not s.optimized:  # frozen weights and buffers: no gradient, no optimizer state, no EMA
             continue
         # fp32 values (masters, moments, EMA) of a mixed-precision run: 4 bytes whatever the held dtype
@@ -62,8 +67,8 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
         out["optimizer_moments"] += n_states * state_numel * wide
         if ema:
             out["ema"] += numel * wide
-        if (mixed and s.dtype == precision.param_dtype) or (policy.shard_optimizer_states and s.sharded
-                                                             and not policy.shard_parameters):
+        if mixed and (s.dtype == precision.param_dtype or (policy.shard_optimizer_states and s.sharded
+                                                           and not policy.shard_parameters)):
             out["master_shards"] += state_numel * wide
         if accumulate:
             narrow = precision.reduce_in and (mixed or s.dtype == "float32")

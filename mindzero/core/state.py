@@ -6,10 +6,13 @@
   keep it whole on every rank; at stage 3 the network holds a shard under the same name, the state drops
   the full one, and the full value exists only while a Cell reads it (:mod:`mindzero.engine.stage3`).
 * **weight** (``ParamState.weight``): what gradients are taken with respect to: the full parameter
-  (stages 0-2) or its stage-3 shard.
+  (stages 0-2; a split parameter's own shard, and its rest beside it) or its stage-3 shard.
 * **target** (``ParamState.target``): what the optimizer updates: the weight, a stage 1-2 *master
-  shard* (``zero_master.<name>``: this rank's slice of the parameter, written back by an all-gather
-  after each update), or, with ``param_dtype``, an fp32 *master* of a weight held in fp16/bf16.
+  shard* (with ``param_dtype``: ``zero_master.<name>``, this rank's fp32 slice of the parameter, written
+  back by an all-gather after each update), or, with ``param_dtype``, an fp32 *master* of a weight held in
+  fp16/bf16. Stages 1-2 without ``param_dtype`` *split* each sharded parameter (:mod:`mindzero.engine.split`):
+  the network holds this rank's shard (the weight and target, under the parameter's name) and the rest
+  (``zero_rest.<name>``, written by the all-gather), so no element is held twice.
 * **sharded** (``ParamState.sharded``): the stage shards this parameter's optimizer state (stage >= 1
   and the plan shards the parameter); from stage 2 its gradient, at stage 3 its value. A parameter the
   plan replicates (``ShardSpec.reason``) is never sharded.
@@ -36,11 +39,15 @@ ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = 1, 2, 3
 class MasterPair:
     """A master the optimizer updates and the network tensor it is written back into after each update:
     ``shard_of_full``: the master is a stage 1-2 shard of the full ``held`` (all-gathered back), else it has
-    ``held``'s shape (stage 0 and replicated parameters, stage-3 shards: cast and assigned locally)."""
+    ``held``'s shape (stage 0 and replicated parameters, stage-3 shards: cast and assigned locally).
+    ``split`` (stages 1-2 without ``param_dtype``, :mod:`mindzero.engine.split`): the master is the network's
+    own shard of the parameter and ``held`` the rest (the other op ranks' shards): the all-gather writes the
+    rest, and no element is held twice."""
 
     master: object
     held: object
     shard_of_full: bool
+    split: bool = False
 
 
 @dataclass(eq=False)
@@ -129,4 +136,10 @@ class ZeroState:
 
     @property
     def master_shards(self) -> tuple:
-        return tuple(pair.master for pair in self.master_pairs)
+        """The masters held beside the network's parameters (a split pair's own shard is the parameter)."""
+        return tuple(pair.master for pair in self.master_pairs if not pair.split)
+
+    @property
+    def split_pairs(self) -> tuple:
+        """The split pairs (:class:`MasterPair` with ``split``), optimizer order."""
+        return tuple(pair for pair in self.master_pairs if pair.split)

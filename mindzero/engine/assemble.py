@@ -18,6 +18,7 @@ from ..core.topology import World
 from .consistency import check_same_plan, check_same_values
 from .materialize import make_shard, materialize
 from .optim import check_optimizer, offload_update, optimizer_states, repoint_optimizer, shard_optimizer
+from .split import FullView, split_network_parameters
 from .stage3 import check_pynative_recompute, shard_network_parameters
 from .train_step import ZeroEMA
 
@@ -46,7 +47,8 @@ def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
     scale_sense, manager = _loss_scale(config.loss_scale)
     ema = None
     if config.ema is not None:
-        ema = ZeroEMA([ps.weight for ps in params], config.ema.decay, config.ema.updates,
+        ema = ZeroEMA([FullView(ps.master.master, ps.master.held, ps.spec) if ps.master is not None and ps.master.split
+                       else ps.weight for ps in params], config.ema.decay, config.ema.updates,
                       ms.float32 if precision.enabled else None)
     regather = config.stage3.for_mode(ms.get_context("mode") == ms.GRAPH_MODE).regather
     state = ZeroState(config, world, plan, params, micro, boundary, gather, sharded.state_attrs, scale_sense, manager,
@@ -95,7 +97,9 @@ class _Sharded:
 
 def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: PartitionPlan, params: tuple) -> _Sharded:
     """Fill each :class:`ParamState`'s weight, target and master: stage 3: network parameters become shards;
-    stages 1-2: master shards, all-gathered back after the update; stages 1-3: the optimizer is re-pointed at
+    stages 1-2: without ``param_dtype`` each sharded parameter split into this rank's shard (which the optimizer
+    updates) and the rest (:mod:`mindzero.engine.split`), with it fp32 master shards, each all-gathered back after
+    the update; stages 1-3: the optimizer is re-pointed at
     shards; mixed precision: every optimized parameter gets an fp32 master (its stage 1-2 master shard, else a
     copy of what the network holds), which the optimizer updates, and the network's copy is cast to
     ``param_dtype``. Lazily built Parameters (:func:`mindzero.lazy_init`) are materialised one tensor at a
@@ -113,8 +117,16 @@ def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: Par
                 ps.weight = ps.target = done.shards[ps.name]
                 ps.param = None
     elif policy.shard_optimizer_states:
+        pairs = {}
+        if not precision.enabled:  # fp32: the parameter is its own master, held once (own shard + rest)
+            pairs = split_network_parameters(network, specs, [ps.name for ps in params if ps.sharded], digests)
         for ps in params:
-            if ps.sharded:
+            if ps.sharded and ps.name in pairs:
+                own, rest = pairs[ps.name]
+                ps.weight = ps.target = own
+                ps.master = MasterPair(own, rest, True, split=True)
+                ps.param = None
+            elif ps.sharded:
                 ps.target = make_shard(materialize(ps.param), ps.spec, "zero_master." + ps.name, digests=digests)
                 ps.master = MasterPair(ps.target, ps.param, True)
     if precision.enabled:  # the rest held in param_dtype get an fp32 copy, written back locally

@@ -15,7 +15,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import ops
 
-from ..comm.layout import MAP, own_shard, pick
+from ..comm.layout import MAP, join_split, own_shard, pick, rest_of
 from ..core.state import OWN_SLICE, REPLICATED
 
 # --- the train step ----------------------------------------------------------------------------------------
@@ -30,7 +30,8 @@ zero_after = ops.MultitypeFuncGraph("mindzero_zero_after")
 depend_on = ops.MultitypeFuncGraph("mindzero_depend_on")
 gather_unit = ops.MultitypeFuncGraph("mindzero_gather_unit")
 gather_write = ops.MultitypeFuncGraph("mindzero_gather_write")
-write_full = ops.MultitypeFuncGraph("mindzero_write_full")
+write_gathered = ops.MultitypeFuncGraph("mindzero_write_gathered")
+join_at = ops.MultitypeFuncGraph("mindzero_join_at")
 ema_update = ops.MultitypeFuncGraph("mindzero_ema_update")
 cast_to = ops.MultitypeFuncGraph("mindzero_cast_to")
 write_cast = ops.MultitypeFuncGraph("mindzero_write_cast")
@@ -121,29 +122,50 @@ def _depend_on(after, x):
     return ops.depend(x, after)
 
 
-@gather_unit.register("Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
-def _gather_unit(after, fulls, shards, gather, positions, bucket):
-    """After ``after``: one bucket's all-gather of updated master shards into their full parameters (in the
-    parameters' dtype: a bucket has one)."""
+@gather_unit.register("Tensor", "Tuple", "Tuple", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
+def _gather_unit(after, fulls, shards, rests, ends, gather, positions, bucket):
+    """After ``after``: one bucket's all-gather of updated master shards into their full parameters, or into
+    the rests of split ones (in the parameters' dtype: a bucket has one)."""
     held = pick(fulls, positions)
     shards = MAP(ops.partial(depend_on, after), pick(shards, positions))
     values = gather(MAP(ops.partial(cast_to, held[0].dtype), shards), bucket)
-    return MAP(write_full, held, values)
+    return MAP(write_gathered, held, values, pick(rests, positions), pick(ends, positions))
 
 
-@gather_write.register("Tensor", "Function", "Tensor", "Tensor")
-def _gather_write(after, gather, full, shard):
+@gather_write.register("Tensor", "Function", "Tensor", "Tensor", "Number", "Number")
+def _gather_write(after, gather, full, shard, lo, hi):
     """After ``after``: one all-gather of an updated master shard into its full parameter (mixed precision:
-    in param_dtype, half the bytes of fp32)."""
-    return _write_full(full, gather(_cast_to(full.dtype, ops.depend(shard, after))))
+    in param_dtype, half the bytes of fp32), or into the rest of a split one."""
+    return _write_gathered(full, gather(_cast_to(full.dtype, ops.depend(shard, after))), lo, hi)
 
 
-@write_full.register("Tensor", "Tensor")
+@write_gathered.register("Tensor", "Tensor", "Number", "Number")
+def _write_gathered(held, value, lo, hi):
+    """``held := value`` (the gathered padded flat tensor) without its padding, in ``held``'s shape; for a
+    split parameter (``hi > 0``) ``held`` is the rest: ``value`` without this rank's ``[lo, hi)``."""
+    if hi > 0:
+        return ops.assign(held, rest_of(value, lo, hi))
+    return _write_full(held, value)
+
+
 def _write_full(full, value):
     """``full := value`` without its padding, in ``full``'s shape."""
     if value.shape[0] != full.size:
         value = value[:full.size]
     return ops.assign(full, value.reshape(full.shape))
+
+
+@join_at.register("Tuple", "Number", "Number", "Number", "Number", "Tuple")
+def _join_at(values, i, j, lo, numel, shape):
+    """``values[i]``, or for a split parameter (``j >= 0``) the full tensor joined from its own shard
+    ``values[i]`` and its rest ``values[j]`` (a gradient pair, or the pair itself): the padding dropped, in
+    ``shape``."""
+    if j < 0:
+        return values[i]
+    full = join_split(values[i], values[j], lo)
+    if full.shape[0] != numel:
+        full = full[:numel]
+    return full.reshape(shape)
 
 
 @ema_update.register("Tensor", "Tensor", "Tensor")

@@ -39,8 +39,8 @@ from ..comm.cells import (AllGather, AllReduceSum, AnyRank, Bucket, FusedAllGath
 from ..core.state import REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
 from ..core.topology import World
 from ..core.host import release_host_memory
-from .kernels import (MAP, accumulate, cast_to, depend_on, ema_update, finite, gather_unit, gather_write, norm_sq,
-                      reduce_grad, reduce_unit, route, scale_by, write_cast, zero_after)
+from .kernels import (MAP, accumulate, cast_to, depend_on, ema_update, finite, gather_unit, gather_write, join_at,
+                      norm_sq, reduce_grad, reduce_unit, route, scale_by, write_cast, zero_after)
 from .precision import explain_dtype_errors
 
 
@@ -120,36 +120,43 @@ class GatherInto(nn.Cell):
     ``units``: :class:`~mindzero.core.state.CommBucket` whose positions index the ``fulls`` / ``shards`` tuples.
     """
 
-    def __init__(self, units, world: World):
+    def __init__(self, units, world: World, pairs):
         super().__init__(auto_prefix=False)
         self.positions = tuple(tuple(u.positions) for u in units)
         self.buckets = tuple(Bucket.of(u.specs) for u in units)
         self.per_tensor = all(len(pos) == 1 for pos in self.positions)
         self.gather = AllGather(world) if self.per_tensor else FusedAllGather(world)
         self.gathers = (self.gather,) * len(units)  # mapped with the units (see mindzero.engine.kernels)
+        # per pair: where this rank's shard sits in the gathered tensor, for a split pair ((0, 0): a full one)
+        spans = [(p.master.shape[0] * world.op_rank, p.master.shape[0] * (world.op_rank + 1)) if p.split else (0, 0)
+                 for p in pairs]
+        self.los, self.his = tuple(lo for lo, _ in spans), tuple(hi for _, hi in spans)
 
     def construct(self, fulls, shards, after):
         """Gather after ``after``; returns ``after`` made to depend on every write."""
         if self.per_tensor:
-            done = MAP(ops.partial(gather_write, after), self.gathers, fulls, shards)
+            done = MAP(ops.partial(gather_write, after), self.gathers, fulls, shards, self.los, self.his)
         else:
-            done = MAP(ops.partial(gather_unit, after, fulls, shards), self.gathers, self.positions, self.buckets)
+            done = MAP(ops.partial(gather_unit, after, fulls, shards, self.los, self.his), self.gathers,
+                       self.positions, self.buckets)
         return ops.depend(after, done)
 
 
 class WriteBack(nn.Cell):
     """After the optimizer step: stages 1-2 all-gather the updated master shards into the full parameters
-    (:class:`GatherInto`, in the parameters' dtype); with ``param_dtype`` every other master is cast to
-    ``param_dtype`` and assigned to its network parameter (no communication)."""
+    (:class:`GatherInto`, in the parameters' dtype), or the updated own shards of split parameters into their
+    rests; with ``param_dtype`` every other master is cast to ``param_dtype`` and assigned to its network
+    parameter (no communication)."""
 
     def __init__(self, state: ZeroState):
         super().__init__(auto_prefix=False)
         pairs = self.pairs = state.master_pairs
-        self.has_gather = any(pair.shard_of_full for pair in pairs)
+        gathered = [pair for pair in pairs if pair.shard_of_full]
+        self.has_gather = bool(gathered)
         if self.has_gather:
-            self.gather = GatherInto(state.gather, state.world)
-            self.fulls = ParameterTuple([pair.held for pair in pairs if pair.shard_of_full])
-            self.shards = ParameterTuple([pair.master for pair in pairs if pair.shard_of_full])
+            self.gather = GatherInto(state.gather, state.world, gathered)
+            self.fulls = ParameterTuple([pair.held for pair in gathered])
+            self.shards = ParameterTuple([pair.master for pair in gathered])
         local = [pair for pair in pairs if not pair.shard_of_full]
         self.has_local = bool(local)
         if self.has_local:
@@ -225,9 +232,18 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.network = network
         self.network.set_grad()
         self.optimizer = optimizer
-        self.weights = ParameterTuple(state.weights)
-        self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
         n = len(state.params)
+        # split parameters (stages 1-2, mindzero.engine.split): gradients are taken w.r.t. the own shard (in
+        # optimizer order) and the rest (after the n weights), then joined into the full gradient
+        splits = [(i, ps) for i, ps in enumerate(state.params) if ps.master is not None and ps.master.split]
+        self.has_split = bool(splits)
+        self.weights = ParameterTuple(state.weights + [ps.master.held for _, ps in splits])
+        rest_at, los, numels, shapes = [-1] * n, [0] * n, [0] * n, [()] * n
+        for k, (i, ps) in enumerate(splits):
+            rest_at[i], los[i], numels[i], shapes[i] = n + k, ps.spec.offset, ps.spec.numel, tuple(ps.spec.shape)
+        self.positions, self.rest_at, self.los = tuple(range(n)), tuple(rest_at), tuple(los)
+        self.numels, self.shapes = tuple(numels), tuple(shapes)
+        self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
         self.micro = Reduction(n, state.micro, world)  # stage 2's reduce-scatter of each micro-step's gradients
         # the reductions at the accumulation boundary; mixed precision widens to fp32 (the optimizer's masters)
         self.boundary = Reduction(n, state.boundary, world, scale=True, widen=config.precision.widens)
@@ -282,6 +298,8 @@ class ZeroTrainOneStepCell(nn.Cell):
         loss = self.network(*inputs)
         sens = ops.fill(loss.dtype, loss.shape, ops.cast(scale, loss.dtype))
         grads = self.grad(self.network, self.weights)(*inputs, sens)
+        if self.has_split:
+            grads = self._joined(grads)
         if self.reduce_dtype is not None:
             grads = MAP(ops.partial(cast_to, self.reduce_dtype), grads)
         grads = self.micro(grads, scale)  # (no scaling here: the factor is applied once, at the boundary)
@@ -314,8 +332,14 @@ class ZeroTrainOneStepCell(nn.Cell):
             overflow = self._update(grads, overflow)
         if self.has_ema:  # after the gather, so stages 1-2 average the updated full parameters
             skipped = overflow if self.drop_overflow_update else ops.zeros((), ms.bool_)
-            overflow = ops.depend(overflow, self.ema(self.weights, skipped))
+            weights = self._joined(self.weights) if self.has_split else self.weights
+            overflow = ops.depend(overflow, self.ema(weights, skipped))
         return overflow
+
+    def _joined(self, values):
+        """Per optimized parameter (optimizer order): ``values[i]``, or for a split one the full tensor joined
+        from its own shard's and its rest's entries of ``values`` (gradients, or the weights themselves)."""
+        return MAP(ops.partial(join_at, values), self.positions, self.rest_at, self.los, self.numels, self.shapes)
 
     def _update(self, grads, after):
         """The optimizer step; then the masters are written back (:class:`WriteBack`): stages 1-2 all-gather

@@ -1,0 +1,204 @@
+"""Stages 1-2 without ``param_dtype``: each sharded parameter held once, as this rank's shard plus the rest.
+
+[Note: split parameters] The ZeRO paper's stage 1 keeps an fp32 master of this rank's shard because its
+parameters are fp16; in fp32 the full parameter is its own master (PyTorch's ``ZeroRedundancyOptimizer``
+updates its slice of the flat parameter in place). MindSpore's optimizers update Parameters, not slices of
+one, so mindzero cannot hand the optimizer a view of the full tensor. Instead the full parameter is stored in
+two Parameters that together hold each element once:
+
+* ``own`` (named like the parameter, 1D, this rank's padded shard): what the optimizer updates and what
+  gradients are taken with respect to, with the other piece;
+* ``rest`` (``zero_rest.<name>``, 1D, the other op ranks' shards in order): written by the all-gather
+  after each update.
+
+Every Cell that reads the parameter reads the pair through a property (the stage-3 technique,
+:mod:`mindzero.engine.stage3`): :class:`SplitRead` puts ``own`` back into ``rest`` and reshapes, with no
+communication; its primitives are recomputed in backward, so the joined full tensor lives while one layer
+computes, not from forward to backward. The train step joins the two gradients into the full gradient
+(:func:`mindzero.comm.layout.join_split`) and reduces it exactly as before, so values are bit-identical
+to the master-shard layout; the persistent bytes are 4Φ (parameters) + 8Φ/N (Adam) at stage 1 instead of
+4Φ + 4Φ/N + 8Φ/N.
+
+Outside the graph a split parameter is seen whole through :class:`FullView` (checkpoints, pretrained
+loading, full state dicts, the EMA's initial value): ``asnumpy`` joins, ``set_data`` splits.
+"""
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from ..core.checksum import crc32_array
+from ..core.plan import ShardSpec
+from .materialize import full_array
+from .stage3 import compute_dtype
+
+SHARD_SUFFIX = "_zero_shard"
+REST_SUFFIX = "_zero_rest"
+READ_PREFIX = "_zero_split_"
+REST_PREFIX = "zero_rest."
+
+
+class SplitRead(nn.Cell):
+    """The full parameter from its split pair: ``own`` put back into ``rest``, the padding dropped, the full
+    shape, the reading Cell's compute dtype (graph mode casts Parameters a ``to_float`` Cell reads; a joined
+    tensor is not one). One instance per shape, padding, rank offset and reading dtype."""
+
+    def __init__(self, spec: ShardSpec, dtype=None):
+        super().__init__(auto_prefix=False)
+        self.lo = spec.offset
+        self.rest_size = spec.numel + spec.padding - spec.shard_size
+        self.numel = spec.numel
+        self.padded = spec.numel + spec.padding
+        self.shape = tuple(spec.shape)
+        self.compute_dtype = dtype
+        self.concat = ops.Concat()
+        self.slice = ops.StridedSlice()
+        self.reshape = ops.Reshape()
+        self.cast = ops.Cast()
+
+    @staticmethod
+    def key(spec: ShardSpec, dtype=None) -> tuple:
+        return tuple(spec.shape), spec.padding, spec.offset, dtype
+
+    def recompute_join(self):
+        """Join again in backward instead of keeping the full value alive from forward (graph mode)."""
+        for prim in (self.concat, self.slice, self.reshape, self.cast):
+            prim.recompute()
+
+    def rebuild(self, own, rest):
+        lo, end = self.lo, self.rest_size
+        if lo == 0:
+            full = self.concat((own, rest))
+        elif lo == end:
+            full = self.concat((rest, own))
+        else:
+            full = self.concat((self.slice(rest, (0,), (lo,), (1,)), own, self.slice(rest, (lo,), (end,), (1,))))
+        if self.padded != self.numel:
+            full = self.slice(full, (0,), (self.numel,), (1,))
+        full = self.reshape(full, self.shape)
+        if self.compute_dtype is not None and full.dtype != self.compute_dtype:
+            full = self.cast(full, self.compute_dtype)
+        return full
+
+    def construct(self, own, rest):
+        return self.rebuild(own, rest)
+
+
+def _split_property(attr: str, graph_mode: bool) -> property:
+    read_name, own_name, rest_name = READ_PREFIX + attr, attr + SHARD_SUFFIX, attr + REST_SUFFIX
+
+    if graph_mode:
+        def full(self):
+            return getattr(self, read_name).rebuild(getattr(self, own_name), getattr(self, rest_name))
+    else:
+        def full(self):
+            return getattr(self, read_name)(getattr(self, own_name), getattr(self, rest_name))
+
+    full.__name__ = attr
+    return property(full, doc=f"full value of {attr!r}, joined from its shard and the rest (mindzero stages 1-2)")
+
+
+_SUBCLASSES = {}
+
+
+def _split_subclass(cls: type, attrs) -> type:
+    """The subclass of ``cls`` whose instances read ``attrs`` through :func:`_split_property` (one per class,
+    set of attributes and mode)."""
+    key = (cls, tuple(sorted(attrs)), ms.get_context("mode") == ms.GRAPH_MODE)
+    if key not in _SUBCLASSES:
+        body = {attr: _split_property(attr, key[2]) for attr in key[1]}
+        body.update(__module__=cls.__module__, _mindzero_split=key[1])
+        _SUBCLASSES[key] = type(cls.__name__, (cls,), body)
+    return _SUBCLASSES[key]
+
+
+def own_and_rest(param, spec: ShardSpec, digests=None) -> tuple:
+    """``(own, rest)`` numpy arrays of ``param`` (which may be lazy: its full value is computed once, one
+    tensor at a time); ``digests`` receives ``spec.name`` -> CRC-32 of the full value."""
+    full = full_array(param)
+    if digests is not None:
+        digests[spec.name] = crc32_array(full)
+    return split_array(full, spec)
+
+
+def split_array(full, spec: ShardSpec) -> tuple:
+    """``(own, rest)`` of a full value (any shape) per ``spec``."""
+    flat = np.zeros(spec.numel + spec.padding, dtype=full.dtype)
+    flat[:spec.numel] = np.ascontiguousarray(full).reshape(-1)
+    lo, hi = spec.offset, spec.offset + spec.shard_size
+    return flat[lo:hi].copy(), np.concatenate((flat[:lo], flat[hi:]))
+
+
+def joined_array(own, rest, spec: ShardSpec) -> np.ndarray:
+    """The full value (the parameter's shape) of a split pair's arrays (the twin of :func:`split_array`)."""
+    lo = spec.offset
+    return np.concatenate((rest[:lo], own, rest[lo:]))[:spec.numel].reshape(spec.shape)
+
+
+def split_network_parameters(network: nn.Cell, specs: dict, names, digests: dict) -> dict:
+    """Replace each parameter of ``names`` (optimized, sharded) in every Cell of ``network`` that holds it by
+    its split pair, in place. Returns ``{name: (own, rest)}`` for those found in some Cell's parameters
+    (a parameter held elsewhere keeps the master-shard layout)."""
+    names, pairs, readers = set(names), {}, {}
+    graph = ms.get_context("mode") == ms.GRAPH_MODE
+    for _, cell in network.cells_and_names():
+        attrs = []
+        for attr, param in list(cell._params.items()):
+            if param is None or param.name not in names:
+                continue
+            spec = specs[param.name]
+            if param.name not in pairs:
+                own, rest = own_and_rest(param, spec, digests)
+                pairs[param.name] = (Parameter(Tensor(own, param.dtype), name=param.name,
+                                               requires_grad=param.requires_grad),
+                                     Parameter(Tensor(rest, param.dtype), name=REST_PREFIX + param.name,
+                                               requires_grad=False))
+            dtype = compute_dtype(cell)
+            key = SplitRead.key(spec, dtype)
+            if key not in readers:
+                readers[key] = SplitRead(spec, dtype)
+                if graph:
+                    readers[key].recompute_join()
+            own, rest = pairs[param.name]
+            del cell._params[attr]
+            cell.insert_param_to_cell(attr + SHARD_SUFFIX, own)
+            cell.insert_param_to_cell(attr + REST_SUFFIX, rest)
+            cell.insert_child_to_cell(READ_PREFIX + attr, readers[key])
+            attrs.append(attr)
+        if attrs:
+            cell.__class__ = _split_subclass(type(cell), attrs)
+    return pairs
+
+
+class FullView:
+    """A split parameter seen whole outside the graph: ``name``, ``dtype``, ``shape`` of the full parameter;
+    ``asnumpy()`` joins the pair, ``set_data(tensor)`` splits a full value into it."""
+
+    def __init__(self, own, rest, spec: ShardSpec):
+        self.own, self.rest, self.spec = own, rest, spec
+        self.name, self.dtype, self.shape = spec.name, own.dtype, tuple(spec.shape)
+
+    def asnumpy(self) -> np.ndarray:
+        return joined_array(self.own.asnumpy(), self.rest.asnumpy(), self.spec)
+
+    def value(self):
+        return Tensor(self.asnumpy(), self.dtype)
+
+    def set_data(self, data):
+        own, rest = split_array(data.asnumpy() if hasattr(data, "asnumpy") else np.asarray(data), self.spec)
+        self.own.set_data(Tensor(own, self.own.dtype))
+        self.rest.set_data(Tensor(rest, self.rest.dtype))
+        return self
+
+
+def network_values(train_net) -> dict:
+    """Each network parameter by name as checkpoints see it: the Parameter, or for a split one its
+    :class:`FullView`."""
+    info = train_net.zero_info
+    values = {p.name: p for p in train_net.network.get_parameters()}
+    for pair in info.master_pairs:
+        if pair.split:
+            values.pop(pair.held.name, None)
+            values[pair.master.name] = FullView(pair.master, pair.held, info.plan[pair.master.name])
+    return values
