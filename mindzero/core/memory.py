@@ -54,8 +54,9 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
     mixed = precision.enabled
     for s in plan:
         # stages 1-2 without param_dtype split each sharded optimized parameter into its shard and the rest
-        split = (s.sharded and s.optimized and policy.shard_optimizer_states and not policy.shard_parameters
-                 and not mixed)
+        # (over more than one rank: an op group of one keeps the master shard, a copy)
+        stage12 = s.sharded and policy.shard_optimizer_states and not policy.shard_parameters
+        split = stage12 and s.optimized and not mixed and s.op_size > 1
         numel = s.shard_size if (policy.shard_parameters and s.sharded) else s.numel
         held = s.numel + s.padding if split else numel  # the rest and the shard, padding included
         out["parameters"] += held * s.itemsize
@@ -67,8 +68,7 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
         out["optimizer_moments"] += n_states * state_numel * wide
         if ema:
             out["ema"] += numel * wide
-        if mixed and (s.dtype == precision.param_dtype or (policy.shard_optimizer_states and s.sharded
-                                                           and not policy.shard_parameters)):
+        if (mixed and s.dtype == precision.param_dtype) or (stage12 and not split):
             out["master_shards"] += state_numel * wide
         if accumulate:
             narrow = precision.reduce_in and (mixed or s.dtype == "float32")

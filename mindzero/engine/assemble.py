@@ -118,7 +118,7 @@ def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: Par
                 ps.param = None
     elif policy.shard_optimizer_states:
         pairs = {}
-        if not precision.enabled:  # fp32: the parameter is its own master, held once (own shard + rest)
+        if not precision.enabled and world.op_size > 1:  # fp32: the parameter is its own master, held once
             pairs = split_network_parameters(network, specs, [ps.name for ps in params if ps.sharded], digests)
         for ps in params:
             if ps.sharded and ps.name in pairs:

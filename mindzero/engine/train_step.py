@@ -275,7 +275,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         if self.has_ema:
             self.ema = state.ema
         # stages that shard gradients reduce each where backward produces it: compiled in depth-first order
-        self.exec_order = "dfs" if config.policy.shard_gradients else None
+        self.exec_order = "dfs" if config.policy.shard_gradients or self.has_split else None
         self.set_train(True)
         self._compiled = False
 

@@ -56,8 +56,13 @@ def test_expected_bytes_by_hand(n):
     assert e0 == dict(parameters=everything, gradients=full_opt, optimizer_states=2 * full_opt,
                       optimizer_moments=2 * full_opt, master_shards=0, ema=0)
     e1 = expected_bytes(_plan(n), STAGES[1], 2, True)
-    assert e1["optimizer_moments"] == 2 * (sharded_shard + 20) and e1["master_shards"] == sharded_shard
-    assert e1["gradients"] == full_opt and e1["parameters"] == everything
+    # fp32 stages 1-2: no master; each sharded parameter is held once, as its shard and the rest (padding included)
+    split_padding = 4 * sum(s * n - numel for s, numel in zip(ss, (105, 4369, 1)))
+    # (an op group of one keeps the master shard: a copy)
+    assert e1["optimizer_moments"] == 2 * (sharded_shard + 20) and e1["master_shards"] == (0 if n > 1 else sharded_shard)
+    assert e1["gradients"] == full_opt and e1["parameters"] == everything + split_padding
+    mixed = expected_bytes(_plan(n), STAGES[1], 2, True, precision=MixedPrecision.parse("float16", None))
+    assert mixed["master_shards"] == sharded_shard  # fp32 master shards beside the fp16 copies
     e2 = expected_bytes(_plan(n), STAGES[2], 2, True)
     assert e2["gradients"] == sharded_shard + 20
     e3 = expected_bytes(_plan(n), STAGES[3], 2, True)
