@@ -29,7 +29,7 @@ def load_pretrained(train_net, path, strict: bool = True, prefix: str = None) ->
     Every rank calls it (no collective but one agreement). Each rank reads the file one tensor at a time and
     keeps what it holds: the full value at stages 0-2 (and of replicated parameters), its own shard at stage 3,
     so no rank holds the full model, also after :func:`mindzero.lazy_init`. What follows the parameters
-    follows them: the stage 1-2 master shards, the fp32 masters and the ``param_dtype`` copies of a
+    follows them: the stage 1-2 split parameters (shard and rest), the fp32 masters and the ``param_dtype`` copies of a
     mixed-precision run (the masters take the file's values, the copies their cast), the EMA (it restarts
     from the loaded weights); the optimizer states are left as they are (a fresh run's zeros).
 

@@ -110,7 +110,7 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig) -> tuple:
     reduce-scatters the sharded gradients every micro-step, stage 1 at the accumulation boundary; stage 3
     reduce-scatters each where it is read (:class:`mindzero.engine.stage3.GatherFull`, no bucket); every stage
     all-reduces the rest (stage 0: every gradient) at the boundary; stages 1-2 all-gather the updated
-    master shards (``gather`` positions index the sharded parameters, in order). Buckets follow
+    shards, split or master (``gather`` positions index the sharded parameters, in order). Buckets follow
     ``comm_fusion`` (one tensor each without it).
     """
     def units(positions, kind, fusion_kind, held=False, relative=False):

@@ -26,7 +26,7 @@ class StagePolicy:
     """What one ZeRO stage keeps as 1/N shards on each rank."""
 
     stage: int
-    shard_optimizer_states: bool  # stages 1-3: moments (and a master shard) are shards
+    shard_optimizer_states: bool  # stages 1-3: moments (and fp32 master shards of param_dtype runs) are shards
     shard_gradients: bool  # stages 2-3: gradients are reduce-scattered as produced; accumulation buffers are shards
     shard_parameters: bool  # stage 3: the network holds shards; full values exist only around their use
 

@@ -4,7 +4,8 @@ Under :func:`lazy_init`, ``Parameter(initializer(...))`` and ``param.set_data(in
 the Parameter unmaterialised (MindSpore's lazy initializer data: ``param.has_init``), for the network
 and the optimizer built inside it.
 ``prepare_train_network`` then materialises one tensor at a time, keeps what the stage needs (the
-shard at stage 3, the full parameter and its master shard at stages 1-2; shards of the optimizer
+shard at stage 3, the parameter split into its shard and the rest at stages 1-2 (with ``param_dtype`` the
+full parameter and its master shard); shards of the optimizer
 states from stage 1) and frees the rest, so no rank ever holds the full model.
 
 Values equal an eager build's, bit for bit. MindSpore's random initializers each take one seed

@@ -86,6 +86,9 @@ def plan_text(train_net) -> str:
                      f"({config.stage3.units.as_setting()!r}), one all-gather each; the largest unit "
                      f"{max(full) / mib:.3f} MiB gathered at once (transient; the largest parameter: "
                      f"{largest / mib:.3f} MiB)")
+    if info.split_pairs:
+        lines.append(f"parameters held once: {len(info.split_pairs)} split into this rank's shard (what the optimizer "
+                     "updates) and the rest (written by the all-gather); no fp32 master copy")
     for kind in ("parameters", "gradients", "optimizer_states"):
         lines.append(f"  {kind:<17} {report[kind] / mib:10.3f} MiB (plan {report['expected'][kind] / mib:.3f} MiB)")
     lines.append(formulas_line(info, len(info.state_attrs)))

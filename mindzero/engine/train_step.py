@@ -22,7 +22,12 @@ Per step (``gradient_accumulation_steps = K``; ``N`` ranks in the op group):
    shards' sums of squares plus the replicated gradients' (counted once);
 7. unless the step overflowed (and ``drop_overflow_update``), the optimizer
    updates its parameters (shards from stage 1 on); stages 1-2 then
-   all-gather every updated master shard into the full network parameter.
+   all-gather every updated shard into the rest of its split parameter
+   (with ``param_dtype``: every master shard into the full parameter).
+
+Split parameters (stages 1-2 without ``param_dtype``, :mod:`mindzero.engine.split`): step 1 takes the
+gradients w.r.t. each one's shard and rest and joins them into the full gradient, so steps 2-6 are the
+same at every layout.
 
 Returns ``(loss, overflow, loss_scale)`` like ``nn.TrainOneStepWithLossScaleCell``;
 ``loss`` is this rank's local loss of the micro-batch.
@@ -114,8 +119,9 @@ class Reduction(nn.Cell):
 
 
 class GatherInto(nn.Cell):
-    """Stages 1-2: all-gather updated master shards and write each into its full network parameter
-    (one all-gather per ``comm_fusion`` bucket; per tensor without fusion).
+    """Stages 1-2: all-gather updated shards and write each into its split parameter's rest, or (master
+    shards) into its full network parameter (one all-gather per ``comm_fusion`` bucket; per tensor without
+    fusion). ``pairs``: the :class:`~mindzero.core.state.MasterPair` of each, in ``fulls`` / ``shards`` order.
 
     ``units``: :class:`~mindzero.core.state.CommBucket` whose positions index the ``fulls`` / ``shards`` tuples.
     """
@@ -343,7 +349,8 @@ class ZeroTrainOneStepCell(nn.Cell):
 
     def _update(self, grads, after):
         """The optimizer step; then the masters are written back (:class:`WriteBack`): stages 1-2 all-gather
-        every updated master shard into its full parameter, mixed precision casts the others.
+        every updated shard into its split parameter's rest (or master shard into its full parameter), mixed
+        precision casts the others.
 
         The gather sits in the same branch as the update: after the branch (where an earlier step, whose
         chained assigns MindSpore 2.10 dropped inside a branch, had it) the runtime held the gathered
