@@ -59,7 +59,9 @@ def released(kind: str, lazy: bool, stage: int, seed: int = 0) -> dict:
     ``stage`` on the current world, and count what is still alive of the Parameters held before.
 
     Returns:
-        ``{"params", "params_alive", "states", "states_alive", "opt_bytes", "opt_shard_bytes"}``:
+        ``{"params", "params_alive", "sharded", "sharded_alive", "masters", "split", "states", "states_alive",
+        "opt_bytes", "opt_shard_bytes"}``: ``sharded``: the parameters the plan shards (``sharded_alive`` of them
+        still alive), ``masters``: the step's master copies (``zero_master.*``), ``split``: its split parameters;
         ``opt_bytes`` the bytes of every multi-element Parameter the optimizer holds after prepare,
         ``opt_shard_bytes`` what its sharded parameters and states need (the plan's shard sizes).
     """
@@ -68,6 +70,7 @@ def released(kind: str, lazy: bool, stage: int, seed: int = 0) -> dict:
         net = StackNet()
         opt = RELEASE_OPTIMIZERS[kind](net.trainable_params())
     params = [weakref.ref(p) for p in net.trainable_params()]
+    names = [p.name for p in net.trainable_params()]
     states = [weakref.ref(p) for p in _big_optimizer_tensors(opt) if p.name not in {q().name for q in params}]
     train = mindzero.prepare_train_network(net, opt, zero_stage=stage)
     gc.collect()
@@ -76,7 +79,11 @@ def released(kind: str, lazy: bool, stage: int, seed: int = 0) -> dict:
     n_states = len(info.state_attrs)
     shard_bytes = sum((s.shard_size if ps.sharded else s.numel) * 4 * (n_states + 1)
                       for ps, s in ((ps, per_param[ps.name]) for ps in info.params))
+    sharded = {s.name for s in info.plan if s.sharded}
     result = dict(params=len(params), params_alive=sum(r() is not None for r in params), states=len(states),
+                  sharded=len(sharded), sharded_alive=sum(r() is not None for r, n in zip(params, names) if n in sharded),
+                  masters=sum(p.name.startswith("zero_master.") for p in train.get_parameters()),
+                  split=len(info.split_pairs),
                   states_alive=sum(r() is not None for r in states),
                   opt_bytes=sum(int(p.nbytes) for p in _big_optimizer_tensors(opt)), opt_shard_bytes=shard_bytes)
     del train, net, opt
