@@ -12,8 +12,8 @@ and a matrix of optimizer x stage x eager/lazy build x fp32/fp16, on 2 ranks.
 2. **The matrix**: 12 x ``nn.Dense(1500, 1500)`` (27M parameters), every optimizer mindzero shards, stages 0-3,
    built eagerly or under ``mindzero.lazy_init``, fp32 or ``param_dtype=float16``: the RSS a configuration keeps
    after ``prepare_train_network`` (the step's Parameters written once, as the first step writes them) above the
-   RSS before the build, next to the plan's bytes (``memory_report``'s formula) and, for fp32 stages 1-2, the
-   formula without a master copy (PyTorch's ZeRO-1/2 in fp32).
+   RSS before the build, next to the plan's bytes (``memory_report``'s formula: in fp32 no master copy, stages
+   1-2 hold each parameter once, as this rank's shard and the rest; with ``param_dtype`` the paper's figures).
 
 Writes ``results.json``, ``results.md`` and ``tutorial.png`` under ``--out``. Run it alone on the machine.
 """
@@ -54,13 +54,6 @@ def run_matrix(out: Path, timeout: float) -> list:
     return json.loads((d / "rank_0.json").read_text())["rows"]
 
 
-def no_master_mib(row, phi: int, n: int):
-    """fp32 stages 1-2 without a master copy (the full parameter is its own master): 4Φ + 4kΦ/N."""
-    if row["precision"] != "fp32" or row["stage"] not in (1, 2):
-        return None
-    return (4 * phi + 4 * row["states"] * phi / n) / MIB
-
-
 def tutorial_table(results) -> list:
     dp = results["dp"][0]["peak_above_init_mib"]
     lines = ["| run | peak above init, rank 0 / 1 (MiB) | vs plain DP | saved vs DP (MiB) | parameter sum | tutorial (PyTorch, CUDA) |",
@@ -75,14 +68,12 @@ def tutorial_table(results) -> list:
     return lines
 
 
-def matrix_table(rows, phi: int) -> list:
-    lines = ["| optimizer | precision | build | stage | kept after prepare (MiB) | plan (MiB) | measured / plan | "
-             "fp32 without a master (MiB) |", "|---|---|---|---|---|---|---|---|"]
+def matrix_table(rows) -> list:
+    lines = ["| optimizer | precision | build | stage | kept after prepare (MiB) | plan (MiB) | measured / plan |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
-        nm = no_master_mib(row, phi, 2)
         lines.append(f"| {row['optimizer']} | {row['precision']} | {row['build']} | {row['stage']} | "
-                     f"{row['rss_mib']:.1f} | {row['plan_mib']:.1f} | {row['rss_mib'] / row['plan_mib']:.3f} | "
-                     f"{'' if nm is None else f'{nm:.1f}'} |")
+                     f"{row['rss_mib']:.1f} | {row['plan_mib']:.1f} | {row['rss_mib'] / row['plan_mib']:.3f} |")
     return lines
 
 
@@ -126,7 +117,7 @@ def main():
     if rows:
         worst = max(abs(r["rss_mib"] / r["plan_mib"] - 1) for r in rows)
         md += ["", f"## Memory matrix: 12 x Dense(1500, 1500), {phi / 1e6:.1f}M parameters, 2 ranks", "",
-               *matrix_table(rows, phi), "", f"largest |measured / plan - 1|: {worst:.3f}"]
+               *matrix_table(rows), "", f"largest |measured / plan - 1|: {worst:.3f}"]
     (out / "results.json").write_text(json.dumps({"tutorial": tutorial, "matrix": rows, "matrix_phi": phi}, indent=1))
     (out / "results.md").write_text("\n".join(md) + "\n")
     chart(tutorial, out / "tutorial.png")
