@@ -33,7 +33,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from ..core.checksum import crc32_array
 from ..core.plan import ShardSpec
 from .materialize import full_array
-from .stage3 import compute_dtype
+from .stage3 import compute_dtype, reading_subclass
 
 SHARD_SUFFIX = "_zero_shard"
 REST_SUFFIX = "_zero_rest"
@@ -96,20 +96,6 @@ def _split_property(attr: str, graph_mode: bool) -> property:
     return property(full, doc=f"full value of {attr!r}, joined from its shard and the rest (mindzero stages 1-2)")
 
 
-_SUBCLASSES = {}
-
-
-def _split_subclass(cls: type, attrs) -> type:
-    """The subclass of ``cls`` whose instances read ``attrs`` through :func:`_split_property` (one per class,
-    set of attributes and mode)."""
-    key = (cls, tuple(sorted(attrs)), ms.get_context("mode") == ms.GRAPH_MODE)
-    if key not in _SUBCLASSES:
-        body = {attr: _split_property(attr, key[2]) for attr in key[1]}
-        body.update(__module__=cls.__module__, _mindzero_split=key[1])
-        _SUBCLASSES[key] = type(cls.__name__, (cls,), body)
-    return _SUBCLASSES[key]
-
-
 def own_and_rest(param, spec: ShardSpec, digests=None) -> tuple:
     """``(own, rest)`` numpy arrays of ``param`` (which may be lazy: its full value is computed once, one
     tensor at a time); ``digests`` receives ``spec.name`` -> CRC-32 of the full value."""
@@ -161,7 +147,7 @@ def split_network_parameters(network: nn.Cell, specs: dict, names, digests: dict
             cell.insert_child_to_cell(READ_PREFIX + attr, readers[key])
             attrs.append(attr)
         if attrs:
-            cell.__class__ = _split_subclass(type(cell), attrs)
+            cell.__class__ = reading_subclass(type(cell), attrs, _split_property, "_mindzero_split")
     return pairs
 
 

@@ -178,19 +178,21 @@ def compute_dtype(cell: nn.Cell):
     return None
 
 
-_SUBCLASSES = {}  # (class, sharded attribute names) -> subclass with a property per sharded attribute
+_SUBCLASSES = {}  # (class, attribute names, mode, property maker) -> subclass with a property per attribute
 
 
-def _sharded_subclass(cls: type, attrs) -> type:
-    """The subclass of ``cls`` whose instances read ``attrs`` through :func:`_full_property`.
+def reading_subclass(cls: type, attrs, make_property, marker: str) -> type:
+    """The subclass of ``cls`` whose instances read ``attrs`` through ``make_property(attr, graph_mode)`` (stage 3's
+    :func:`_full_property`; stages 1-2's split read, :mod:`mindzero.engine.split`), with ``marker`` set to the
+    attribute names on the class.
 
-    Shared by every instance of ``cls`` with exactly these attributes sharded (one class, not one per
-    instance); an instance's class changes only if it holds sharded parameters.
+    Shared by every instance of ``cls`` with exactly these attributes replaced (one class, not one per
+    instance); an instance's class changes only if it holds replaced parameters.
     """
-    key = (cls, tuple(sorted(attrs)), ms.get_context("mode") == ms.GRAPH_MODE)
+    key = (cls, tuple(sorted(attrs)), ms.get_context("mode") == ms.GRAPH_MODE, make_property)
     if key not in _SUBCLASSES:
-        body = {attr: _full_property(attr, key[2]) for attr in key[1]}
-        body.update(__module__=cls.__module__, _mindzero_sharded=key[1])
+        body = {attr: make_property(attr, key[2]) for attr in key[1]}
+        body.update({"__module__": cls.__module__, marker: key[1]})
         _SUBCLASSES[key] = type(cls.__name__, (cls,), body)
     return _SUBCLASSES[key]
 
@@ -276,7 +278,7 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, config
             cell.insert_child_to_cell(GATHER_PREFIX + attr, gathers[key])
             attrs.append(attr)
         if attrs:
-            cell.__class__ = _sharded_subclass(type(cell), attrs)
+            cell.__class__ = reading_subclass(type(cell), attrs, _full_property, "_mindzero_sharded")
     backend = backend_of(world)
     for index, unit in sorted(members.items()):
         gather = backend.unit_gather([shards[name] for name, _ in unit])
