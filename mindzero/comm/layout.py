@@ -78,22 +78,17 @@ def flat_concat(tensors):
     return ops.concat(MAP(flatten, tensors))
 
 
-# --- stages 1-2 split parameters (own shard + the rest) -----------------------------------------------------
-def join_split(own, rest, lo: int):
-    """The padded flat full tensor of a split parameter: ``own`` (this rank's shard) put back at ``lo`` into
-    ``rest`` (the other op ranks' shards, in order); ``lo`` = op rank x shard size."""
-    if lo == 0:
-        return ops.concat((own, rest))
-    if lo == rest.shape[0]:
-        return ops.concat((rest, own))
-    return ops.concat((rest[:lo], own, rest[lo:]))
+# --- stage 1 split parameters (own shard + the rest) -------------------------------------------------------
+def join_split(own, rest, index):
+    """The flat full tensor (without padding) of a split parameter: ``own`` (this rank's padded shard) and
+    ``rest`` (the other op ranks' shards, in order) concatenated, then gathered by ``index`` (a constant:
+    :func:`mindzero.core.plan.split_indices`). One gather on every rank, whatever its place: a join built of
+    rank-dependent slices made the ranks' graphs differ, their collectives ran in different orders and
+    MindSpore 2.10's CPU all-reduce failed ("Memcpy error", 4 ranks)."""
+    return ops.gather(ops.concat((own, rest)), index, 0)
 
 
-def rest_of(flat, lo: int, hi: int):
-    """The padded flat full tensor ``flat`` without this rank's shard ``[lo, hi)``: the rest (the twin of
-    :func:`join_split`)."""
-    if lo == 0:
-        return flat[hi:]
-    if hi == flat.shape[0]:
-        return flat[:lo]
-    return ops.concat((flat[:lo], flat[hi:]))
+def rest_of(flat, index):
+    """The rest of a split parameter from the all-gathered padded flat tensor: ``flat`` gathered by ``index``
+    (every position but this rank's shard; :func:`mindzero.core.plan.split_indices`)."""
+    return ops.gather(flat, index, 0)

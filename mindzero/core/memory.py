@@ -25,7 +25,7 @@ twice, :mod:`mindzero.engine.split`): stage 0: 4Φ + 4Φ + 8Φ; stage 1: 4Φ + 4
 from __future__ import annotations
 
 from .config import MixedPrecision, StagePolicy
-from .plan import PartitionPlan, dtype_bytes
+from .plan import PartitionPlan, dtype_bytes, splits_evenly
 from .quant import payload_bytes
 
 KINDS = ("parameters", "gradients", "optimizer_states")
@@ -54,9 +54,9 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
     mixed = precision.enabled
     for s in plan:
         # stages 1-2 without param_dtype split each sharded optimized parameter into its shard and the rest
-        # (over more than one rank: an op group of one keeps the master shard, a copy)
+        # (over more than one rank, every shard holding an element: else the master shard, a copy, stays)
         stage12 = s.sharded and policy.shard_optimizer_states and not policy.shard_parameters
-        split = stage12 and s.optimized and not mixed and s.op_size > 1
+        split = stage12 and s.optimized and not mixed and s.op_size > 1 and splits_evenly(s)
         numel = s.shard_size if (policy.shard_parameters and s.sharded) else s.numel
         held = s.numel + s.padding if split else numel  # the rest and the shard, padding included
         out["parameters"] += held * s.itemsize

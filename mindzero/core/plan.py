@@ -91,6 +91,26 @@ def shard_array(full, spec: "ShardSpec"):
     return shard_of_flat(flat, spec)
 
 
+def splits_evenly(spec) -> bool:
+    """Whether every op rank's shard of ``spec`` holds at least one element (the padding, at the tail, is shorter
+    than one shard): what stages 1-2 need to hold a parameter split (:mod:`mindzero.engine.split`)."""
+    return spec.sharded and spec.padding < spec.shard_size
+
+
+def split_indices(spec) -> tuple:
+    """``(join, rest)`` index arrays (int32) of a split parameter on ``spec``'s rank: ``join[i]`` is where element
+    ``i`` of the full flat parameter sits in ``concat(own, rest)``; ``rest`` the positions of the padded flat
+    tensor outside this rank's shard, in order."""
+    import numpy as np
+
+    lo, size = spec.offset, spec.shard_size
+    p = np.arange(spec.numel)
+    join = np.where(p < lo, size + p, np.where(p < lo + size, p - lo, p))
+    padded = np.arange(spec.numel + spec.padding)
+    rest = padded[(padded < lo) | (padded >= lo + size)]
+    return join.astype(np.int32), rest.astype(np.int32)
+
+
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of ``dtype`` (a name such as ``"float32"``)."""
     key = str(dtype).lower().replace("mindspore.", "")

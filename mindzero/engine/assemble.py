@@ -18,7 +18,7 @@ from ..core.topology import World
 from .consistency import check_same_plan, check_same_values
 from .materialize import make_shard, materialize
 from .optim import check_optimizer, offload_update, optimizer_states, repoint_optimizer, shard_optimizer
-from .split import FullView, split_network_parameters
+from .split import FullView, split_layout, split_network_parameters, splittable
 from .stage3 import check_pynative_recompute, shard_network_parameters
 from .train_step import ZeroEMA
 
@@ -118,8 +118,8 @@ def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: Par
                 ps.param = None
     elif policy.shard_optimizer_states:
         pairs = {}
-        if not precision.enabled and world.op_size > 1:  # fp32: the parameter is its own master, held once
-            pairs = split_network_parameters(network, specs, [ps.name for ps in params if ps.sharded], digests)
+        if split_layout(config, world):  # fp32: the parameter is its own master, held once (own shard + rest)
+            pairs = split_network_parameters(network, specs, [ps.name for ps in params if splittable(ps)], digests)
         for ps in params:
             if ps.sharded and ps.name in pairs:
                 own, rest = pairs[ps.name]

@@ -123,28 +123,28 @@ def _depend_on(after, x):
 
 
 @gather_unit.register("Tensor", "Tuple", "Tuple", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
-def _gather_unit(after, fulls, shards, rests, ends, gather, positions, bucket):
+def _gather_unit(after, fulls, shards, splits, indices, gather, positions, bucket):
     """After ``after``: one bucket's all-gather of updated master shards into their full parameters, or into
     the rests of split ones (in the parameters' dtype: a bucket has one)."""
     held = pick(fulls, positions)
     shards = MAP(ops.partial(depend_on, after), pick(shards, positions))
     values = gather(MAP(ops.partial(cast_to, held[0].dtype), shards), bucket)
-    return MAP(write_gathered, held, values, pick(rests, positions), pick(ends, positions))
+    return MAP(write_gathered, held, values, pick(splits, positions), pick(indices, positions))
 
 
-@gather_write.register("Tensor", "Function", "Tensor", "Tensor", "Number", "Number")
-def _gather_write(after, gather, full, shard, lo, hi):
+@gather_write.register("Tensor", "Function", "Tensor", "Tensor", "Bool", "Tensor")
+def _gather_write(after, gather, full, shard, split, index):
     """After ``after``: one all-gather of an updated master shard into its full parameter (mixed precision:
     in param_dtype, half the bytes of fp32), or into the rest of a split one."""
-    return _write_gathered(full, gather(_cast_to(full.dtype, ops.depend(shard, after))), lo, hi)
+    return _write_gathered(full, gather(_cast_to(full.dtype, ops.depend(shard, after))), split, index)
 
 
-@write_gathered.register("Tensor", "Tensor", "Number", "Number")
-def _write_gathered(held, value, lo, hi):
+@write_gathered.register("Tensor", "Tensor", "Bool", "Tensor")
+def _write_gathered(held, value, split, index):
     """``held := value`` (the gathered padded flat tensor) without its padding, in ``held``'s shape; for a
-    split parameter (``hi > 0``) ``held`` is the rest: ``value`` without this rank's ``[lo, hi)``."""
-    if hi > 0:
-        return ops.assign(held, rest_of(value, lo, hi))
+    split parameter ``held`` is the rest: ``value`` at ``index`` (every position but this rank's shard)."""
+    if split:
+        return ops.assign(held, rest_of(value, index))
     return _write_full(held, value)
 
 
@@ -155,17 +155,13 @@ def _write_full(full, value):
     return ops.assign(full, value.reshape(full.shape))
 
 
-@join_at.register("Tuple", "Number", "Number", "Number", "Number", "Tuple")
-def _join_at(values, i, j, lo, numel, shape):
+@join_at.register("Tuple", "Number", "Number", "Tensor", "Tuple")
+def _join_at(values, i, j, index, shape):
     """``values[i]``, or for a split parameter (``j >= 0``) the full tensor joined from its own shard
-    ``values[i]`` and its rest ``values[j]`` (a gradient pair, or the pair itself): the padding dropped, in
-    ``shape``."""
+    ``values[i]`` and its rest ``values[j]`` (a gradient pair, or the pair itself) by ``index``, in ``shape``."""
     if j < 0:
         return values[i]
-    full = join_split(values[i], values[j], lo)
-    if full.shape[0] != numel:
-        full = full[:numel]
-    return full.reshape(shape)
+    return join_split(values[i], values[j], index).reshape(shape)
 
 
 @ema_update.register("Tensor", "Tensor", "Tensor")

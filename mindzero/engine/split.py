@@ -30,8 +30,9 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
+from ..comm.layout import join_split
 from ..core.checksum import crc32_array
-from ..core.plan import ShardSpec
+from ..core.plan import ShardSpec, split_indices, splits_evenly
 from .materialize import full_array
 from .stage3 import compute_dtype, reading_subclass
 
@@ -48,34 +49,18 @@ class SplitRead(nn.Cell):
 
     def __init__(self, spec: ShardSpec, dtype=None):
         super().__init__(auto_prefix=False)
-        self.lo = spec.offset
-        self.rest_size = spec.numel + spec.padding - spec.shard_size
-        self.numel = spec.numel
-        self.padded = spec.numel + spec.padding
+        self.index = Tensor(split_indices(spec)[0])
         self.shape = tuple(spec.shape)
         self.compute_dtype = dtype
-        self.concat = ops.Concat()
-        self.slice = ops.StridedSlice()
-        self.reshape = ops.Reshape()
-        self.cast = ops.Cast()
 
     @staticmethod
     def key(spec: ShardSpec, dtype=None) -> tuple:
         return tuple(spec.shape), spec.padding, spec.offset, dtype
 
     def rebuild(self, own, rest):
-        lo, end = self.lo, self.rest_size
-        if lo == 0:
-            full = self.concat((own, rest))
-        elif lo == end:
-            full = self.concat((rest, own))
-        else:
-            full = self.concat((self.slice(rest, (0,), (lo,), (1,)), own, self.slice(rest, (lo,), (end,), (1,))))
-        if self.padded != self.numel:
-            full = self.slice(full, (0,), (self.numel,), (1,))
-        full = self.reshape(full, self.shape)
+        full = join_split(own, rest, self.index).reshape(self.shape)
         if self.compute_dtype is not None and full.dtype != self.compute_dtype:
-            full = self.cast(full, self.compute_dtype)
+            full = ops.cast(full, self.compute_dtype)
         return full
 
     def construct(self, own, rest):
@@ -94,6 +79,21 @@ def _split_property(attr: str, graph_mode: bool) -> property:
 
     full.__name__ = attr
     return property(full, doc=f"full value of {attr!r}, joined from its shard and the rest (mindzero stages 1-2)")
+
+
+def split_layout(config, world) -> bool:
+    """Whether this step holds its sharded parameters split: stages 1-2 without ``param_dtype``, over more than
+    one rank (an op group of one would split into the whole and nothing)."""
+    policy = config.policy
+    return (policy.shard_optimizer_states and not policy.shard_parameters and not config.precision.enabled
+            and world.op_size > 1)
+
+
+def splittable(ps) -> bool:
+    """Whether a :class:`~mindzero.core.state.ParamState` is held split: a sharded parameter whose every shard holds
+    at least one element (:func:`mindzero.core.plan.splits_evenly`); a tiny one (fewer elements than ranks
+    times its shard, e.g. 5 over 4 ranks) keeps the master layout."""
+    return ps.sharded and splits_evenly(ps.spec)
 
 
 def own_and_rest(param, spec: ShardSpec, digests=None) -> tuple:
@@ -135,7 +135,7 @@ def split_network_parameters(network: nn.Cell, specs: dict, names, digests: dict
                 pairs[param.name] = (Parameter(Tensor(own, param.dtype), name=param.name,
                                                requires_grad=param.requires_grad),
                                      Parameter(Tensor(rest, param.dtype), name=REST_PREFIX + param.name,
-                                               requires_grad=False))
+                                               requires_grad=param.requires_grad))
             dtype = compute_dtype(cell)
             key = SplitRead.key(spec, dtype)
             if key not in readers:

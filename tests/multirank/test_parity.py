@@ -333,7 +333,7 @@ def test_memory_report(run, stage):
         if stage == 3:
             assert mk["parameters"] * n == m0["parameters"] + 4 * (pad + (n - 1) * repl)
             assert mk["master_shards"] == 0
-        else:  # fp32: each sharded parameter held once, as its shard and the rest (padding included); no master
+        else:  # fp32: each sharded parameter held once, as its shard and the rest (with padding); no master
             assert mk["parameters"] == m0["parameters"] + 4 * pad
             assert mk["master_shards"] == 0
         # accum: Adam (2 states), K=4, nothing replicated

@@ -56,10 +56,12 @@ def test_expected_bytes_by_hand(n):
     assert e0 == dict(parameters=everything, gradients=full_opt, optimizer_states=2 * full_opt,
                       optimizer_moments=2 * full_opt, master_shards=0, ema=0)
     e1 = expected_bytes(_plan(n), STAGES[1], 2, True)
-    # fp32 stages 1-2: no master; each sharded parameter is held once, as its shard and the rest (padding included)
-    split_padding = 4 * sum(s * n - numel for s, numel in zip(ss, (105, 4369, 1)))
-    # (an op group of one keeps the master shard: a copy)
-    assert e1["optimizer_moments"] == 2 * (sharded_shard + 20) and e1["master_shards"] == (0 if n > 1 else sharded_shard)
+    # fp32 stages 1-2: no master; each sharded parameter is held once, as its shard and the rest (padding included),
+    # except where a shard would hold padding only (the scalar "c" over 2+ ranks) and in an op group of one, which
+    # keep the master shard (a copy)
+    split_padding = 4 * sum(s * n - numel for s, numel in zip(ss[:2], (105, 4369))) if n > 1 else 0
+    assert e1["optimizer_moments"] == 2 * (sharded_shard + 20)
+    assert e1["master_shards"] == (4 * ss[2] if n > 1 else sharded_shard)
     assert e1["gradients"] == full_opt and e1["parameters"] == everything + split_padding
     mixed = expected_bytes(_plan(n), STAGES[1], 2, True, precision=MixedPrecision.parse("float16", None))
     assert mixed["master_shards"] == sharded_shard  # fp32 master shards beside the fp16 copies
@@ -147,3 +149,14 @@ def test_stage3_policy_is_the_one_stage_3_rule():
     assert Stage3Policy().for_mode(False) == Stage3Policy(regather=False)  # PyNative does not re-gather
     with pytest.raises(ValueError, match="stage3_regather must be a bool, got 1"):
         Stage3Policy(regather=1)
+
+
+@pytest.mark.parametrize("numel, n, even", [(5, 4, False), (6, 4, False), (7, 4, True), (1, 2, False), (2, 2, True), (91, 4, True),
+                                            (4, 8, False), (1000, 8, True)])
+def test_splits_evenly(numel, n, even):
+    """Stages 1-2 hold a parameter split only where every rank's shard holds an element (the padding is shorter
+    than a shard): 5 or 6 over 4 ranks pad 3 or 2 into shards of 2, so the last shard is padding only."""
+    from mindzero.core.plan import splits_evenly
+
+    (spec,) = PartitionPlan.build([ParamInfo("w", (numel,))], n, 0)
+    assert splits_evenly(spec) is even
