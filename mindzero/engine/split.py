@@ -12,13 +12,13 @@ two Parameters that together hold each element once:
   after each update.
 
 Every Cell that reads the parameter reads the pair through a property (the stage-3 technique,
-:mod:`mindzero.engine.stage3`): :class:`SplitRead` puts ``own`` back into ``rest`` and reshapes, with no
-communication. The joined value is not recomputed in backward: marking its primitives for recompute
-lowered no peak in MindSpore 2.10 (the tutorial's stage 2: 1110 MiB marked, 1097 not) and made a step
-without the write-back die with SIGSEGV; so a joined weight lives from its forward use to its backward
-one, as a gathered weight does in MindSpore's own optimizer parallelism. The train step joins the two gradients into the full gradient
-(:func:`mindzero.comm.layout.join_split`) and reduces it exactly as before, so values are bit-identical
-to the master-shard layout; the persistent bytes are 4Φ (parameters) + 8Φ/N (Adam) at stage 1 instead of
+:mod:`mindzero.engine.stage3`): :class:`SplitRead` joins ``own`` and ``rest`` by one gather with a constant index
+(:func:`mindzero.comm.layout.join_split`: the same graph on every rank, see there) and reshapes, with no
+communication. The joined value is not recomputed in backward (marking it lowered no peak in MindSpore 2.10 and
+made a step without the write-back die with SIGSEGV), so a joined weight lives from its forward use to its
+backward one, as a gathered weight does in MindSpore's own optimizer parallelism. The train step joins the two
+gradients into the full gradient the same way and reduces it exactly as before, so values are bit-identical to
+the master-shard layout; the persistent bytes are 4Φ (parameters) + 8Φ/N (Adam) at stage 1 instead of
 4Φ + 4Φ/N + 8Φ/N.
 
 Outside the graph a split parameter is seen whole through :class:`FullView` (checkpoints, pretrained
@@ -27,7 +27,6 @@ loading, full state dicts, the EMA's initial value): ``asnumpy`` joins, ``set_da
 from __future__ import annotations
 
 import numpy as np
-import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from ..comm.layout import join_split
