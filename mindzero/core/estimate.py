@@ -11,7 +11,7 @@ stage  paper (fp16 + fp32     mindzero without ``param_dtype`` (parameters train
 =====  ====================  ======================================================
 0      2Φ + 2Φ + 12Φ = 16Φ    4Φ + 4Φ + 8Φ = 16Φ
 1      4Φ + 12Φ/N             8Φ + 8Φ/N   (no master: the parameter is its own, held once)
-2      2Φ + 14Φ/N             4Φ + 12Φ/N
+2      2Φ + 14Φ/N             4Φ + 16Φ/N  (moments 8Φ/N + fp32 master shard 4Φ/N)
 3      16Φ/N                  16Φ/N
 =====  ====================  ======================================================
 
@@ -54,10 +54,12 @@ def paper_formula(phi: int, stage: int, op_size: int, mixed_precision: bool = Tr
         return {"parameters": part(2 * phi, policy.shard_parameters),
                 "gradients": part(2 * phi, policy.shard_gradients),
                 "optimizer_states": part(k * phi, policy.shard_optimizer_states)}
-    # fp32: the parameters are their own masters (stages 1-2 split each into this rank's shard and the rest)
+    # fp32: the parameters are their own masters (stage 1 splits each into this rank's shard and the rest);
+    # stage 2 keeps a master shard (mindzero.engine.split.split_layout says why)
+    master = 4 * phi if policy.shard_gradients and not policy.shard_parameters else 0
     return {"parameters": part(4 * phi, policy.shard_parameters),
             "gradients": part(4 * phi, policy.shard_gradients),
-            "optimizer_states": part(4 * n_states * phi, policy.shard_optimizer_states)}
+            "optimizer_states": part(4 * n_states * phi + master, policy.shard_optimizer_states)}
 
 
 def _param_infos(network_or_param_shapes, precision: MixedPrecision):
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
           "formula MiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     names = {0: "16Φ", 1: "4Φ+12Φ/N", 2: "2Φ+14Φ/N", 3: "16Φ/N"} if a.mixed_precision else \
-        {0: "16Φ", 1: "8Φ+8Φ/N", 2: "4Φ+12Φ/N", 3: "16Φ/N"}
+        {0: "16Φ", 1: "8Φ+8Φ/N", 2: "4Φ+16Φ/N", 3: "16Φ/N"}
     mib = 2 ** 20
     for n in (int(x) for x in a.op_sizes.split(",")):
         for stage in (int(x) for x in a.stages.split(",")):

@@ -54,9 +54,11 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
     mixed = precision.enabled
     for s in plan:
         # stages 1-2 without param_dtype split each sharded optimized parameter into its shard and the rest
-        # (over more than one rank, every shard holding an element: else the master shard, a copy, stays)
+        # (stage 1 only, over more than one rank, every shard holding an element: else the master shard stays;
+        # mindzero.engine.split.split_layout says why not stage 2)
         stage12 = s.sharded and policy.shard_optimizer_states and not policy.shard_parameters
-        split = stage12 and s.optimized and not mixed and s.op_size > 1 and splits_evenly(s)
+        split = (stage12 and not policy.shard_gradients and s.optimized and not mixed and s.op_size > 1
+                 and splits_evenly(s))
         numel = s.shard_size if (policy.shard_parameters and s.sharded) else s.numel
         held = s.numel + s.padding if split else numel  # the rest and the shard, padding included
         out["parameters"] += held * s.itemsize

@@ -81,10 +81,16 @@ def _split_property(attr: str, graph_mode: bool) -> property:
 
 
 def split_layout(config, world) -> bool:
-    """Whether this step holds its sharded parameters split: stages 1-2 without ``param_dtype``, over more than
-    one rank (an op group of one would split into the whole and nothing)."""
+    """Whether this step holds its sharded parameters split: stage 1 without ``param_dtype``, over more than one
+    rank (an op group of one would split into the whole and nothing).
+
+    Not stage 2 (it keeps the fp32 master shard): there the joined weights, alive from forward to backward,
+    cost more than the master saves: stage 2 frees each gradient during backward, so its peak is set there
+    (the 24-layer probe of ``tests/multirank/test_sharded_init.py`` rose above its gradient bytes), and a lazy
+    build's peak rose by the rest's copy. Stage 1 keeps every full gradient to the end of backward anyway, and
+    the joined weights are freed as those gradients arrive."""
     policy = config.policy
-    return (policy.shard_optimizer_states and not policy.shard_parameters and not config.precision.enabled
+    return (policy.shard_optimizer_states and not policy.shard_gradients and not config.precision.enabled
             and world.op_size > 1)
 
 

@@ -333,9 +333,12 @@ def test_memory_report(run, stage):
         if stage == 3:
             assert mk["parameters"] * n == m0["parameters"] + 4 * (pad + (n - 1) * repl)
             assert mk["master_shards"] == 0
-        else:  # fp32: each sharded parameter held once, as its shard and the rest (with padding); no master
+        elif stage == 1:  # fp32: each sharded parameter held once, as its shard and the rest (with padding); no master
             assert mk["parameters"] == m0["parameters"] + 4 * pad
             assert mk["master_shards"] == 0
+        else:  # stage 2 keeps the fp32 master shard (mindzero.engine.split.split_layout)
+            assert mk["parameters"] == m0["parameters"]
+            assert mk["master_shards"] * n == m0["parameters"] - 4 * repl + 4 * pad
         # accum: Adam (2 states), K=4, nothing replicated
         pad, _ = _padding_and_replicated(res, "accum-0", n)
         a0, ak = mem["accum-0"], mem[f"accum-{stage}"]
