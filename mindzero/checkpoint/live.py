@@ -22,7 +22,7 @@ into place. A rank that fails to write (e.g. a full disk) makes every rank raise
 ``.partial`` directory, which nothing loads; an existing ``<dir>`` is never touched.
 Master shards (stages 1-2) are slices of the saved full parameters and are rebuilt on
 load, except in a ``param_dtype`` run, whose fp32 masters are saved (kind ``master``); a split parameter
-(stages 1-2 without ``param_dtype``) is saved and loaded as its full value (:class:`~mindzero.engine.split.FullView`); accumulation
+(stage 1 without ``param_dtype``) is saved and loaded as its full value (:class:`~mindzero.engine.split.FullView`); accumulation
 buffers are empty at an update step, the only time a save is allowed.
 """
 from __future__ import annotations

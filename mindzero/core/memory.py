@@ -9,7 +9,8 @@ Kinds (integer bytes per rank):
   otherwise, since gradients then live only inside the step;
 * ``optimizer_states``: the optimizer's per-parameter states (moments) plus
   the master values the optimizer updates beside the parameters (``master_shards``: with
-  ``param_dtype``, fp32 masters at every stage, shards at stages 1-2); step counters
+  ``param_dtype``, fp32 masters at every stage, shards at stages 1-2; without it the stage-2 fp32
+  master shard); step counters
   and learning rates are not counted.
 
 The ZeRO paper's mixed-precision formulas (16Φ, 4Φ+12Φ/N, 2Φ+14Φ/N, 16Φ/N)
@@ -17,10 +18,11 @@ are what a run with ``param_dtype=float16`` (or bfloat16) allocates, with
 reduce_dtype = param_dtype, Adam and K>1: parameters 2Φ (stage 3: 2Φ/N),
 gradient buffers 2Φ (stages 2-3: 2Φ/N), fp32 master values 4Φ and moments 8Φ
 (stages 1-3: 12Φ/N). Without ``param_dtype`` mindzero trains the parameters in
-their own dtype (fp32 here) and keeps no master copy: the parameter is its own master (at stages 1-2
-each sharded one is held as this rank's shard, which the optimizer updates, plus the rest: no element
-twice, :mod:`mindzero.engine.split`): stage 0: 4Φ + 4Φ + 8Φ; stage 1: 4Φ + 4Φ + 8Φ/N; stage 2:
-4Φ + 4Φ/N + 8Φ/N; stage 3: 4Φ/N + 4Φ/N + 8Φ/N (gradient buffers as the second term).
+their own dtype (fp32 here) and keeps no master copy except stage 2's: the parameter is its own master (at
+stage 1 each sharded one is held as this rank's shard, which the optimizer updates, plus the rest: no element
+twice, :mod:`mindzero.engine.split`, which says why not stage 2): stage 0: 4Φ + 4Φ + 8Φ; stage 1:
+4Φ + 4Φ + 8Φ/N; stage 2: 4Φ + 4Φ/N + 12Φ/N (the master shard 4Φ/N); stage 3: 4Φ/N + 4Φ/N + 8Φ/N
+(gradient buffers as the second term).
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
     out["master_shards"] = 0
     mixed = precision.enabled
     for s in plan:
-        # stages 1-2 without param_dtype split each sharded optimized parameter into its shard and the rest
+        # stage 1 without param_dtype splits each sharded optimized parameter into its shard and the rest
         # (stage 1 only, over more than one rank, every shard holding an element: else the master shard stays;
         # mindzero.engine.split.split_layout says why not stage 2)
         stage12 = s.sharded and policy.shard_optimizer_states and not policy.shard_parameters

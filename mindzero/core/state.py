@@ -10,7 +10,7 @@
 * **target** (``ParamState.target``): what the optimizer updates: the weight, a stage 1-2 *master
   shard* (with ``param_dtype``: ``zero_master.<name>``, this rank's fp32 slice of the parameter, written
   back by an all-gather after each update), or, with ``param_dtype``, an fp32 *master* of a weight held in
-  fp16/bf16. Stages 1-2 without ``param_dtype`` *split* each sharded parameter (:mod:`mindzero.engine.split`):
+  fp16/bf16. Stage 1 without ``param_dtype`` *splits* each sharded parameter (:mod:`mindzero.engine.split`):
   the network holds this rank's shard (the weight and target, under the parameter's name) and the rest
   (``zero_rest.<name>``, written by the all-gather), so no element is held twice.
 * **sharded** (``ParamState.sharded``): the stage shards this parameter's optimizer state (stage >= 1
@@ -40,7 +40,7 @@ class MasterPair:
     """A master the optimizer updates and the network tensor it is written back into after each update:
     ``shard_of_full``: the master is a stage 1-2 shard of the full ``held`` (all-gathered back), else it has
     ``held``'s shape (stage 0 and replicated parameters, stage-3 shards: cast and assigned locally).
-    ``split`` (stages 1-2 without ``param_dtype``, :mod:`mindzero.engine.split`): the master is the network's
+    ``split`` (stage 1 without ``param_dtype``, :mod:`mindzero.engine.split`): the master is the network's
     own shard of the parameter and ``held`` the rest (the other op ranks' shards): the all-gather writes the
     rest, and no element is held twice."""
 

@@ -17,7 +17,7 @@ AMSGrad's ``max_exp_avg_sq`` in its ``param_groups``).
 What changes in the optimizer, in place:
 
 * its parameter tuple (and aliases such as ``parameters`` and ``params``) now holds, for each sharded
-  parameter, a 1D shard Parameter: the network's own shard at stage 3 and at stages 1-2 without ``param_dtype`` (a
+  parameter, a 1D shard Parameter: the network's own shard at stage 3 and at stage 1 without ``param_dtype`` (a
   split parameter, :mod:`mindzero.engine.split`), a *master shard* at stages 1-2 with it;
 * every per-parameter state tuple (e.g. ``adam_m``/``adam_v``, ``moments``, ``accum``/``stat``,
   ``exp_avg``/``exp_avg_sq``, ``momentum_buf``) holds 1D padded shards of the state, keeping its names;

@@ -1,4 +1,4 @@
-"""Stages 1-2 without ``param_dtype``: each sharded parameter held once, as this rank's shard plus the rest.
+"""Stage 1 without ``param_dtype``: each sharded parameter held once, as this rank's shard plus the rest.
 
 [Note: split parameters] The ZeRO paper's stage 1 keeps an fp32 master of this rank's shard because its
 parameters are fp16; in fp32 the full parameter is its own master (PyTorch's ``ZeroRedundancyOptimizer``
@@ -77,7 +77,7 @@ def _split_property(attr: str, graph_mode: bool) -> property:
             return getattr(self, read_name)(getattr(self, own_name), getattr(self, rest_name))
 
     full.__name__ = attr
-    return property(full, doc=f"full value of {attr!r}, joined from its shard and the rest (mindzero stages 1-2)")
+    return property(full, doc=f"full value of {attr!r}, joined from its shard and the rest (mindzero stage 1)")
 
 
 def split_layout(config, world) -> bool:

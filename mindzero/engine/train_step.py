@@ -25,7 +25,7 @@ Per step (``gradient_accumulation_steps = K``; ``N`` ranks in the op group):
    all-gather every updated shard into the rest of its split parameter
    (with ``param_dtype``: every master shard into the full parameter).
 
-Split parameters (stages 1-2 without ``param_dtype``, :mod:`mindzero.engine.split`): step 1 takes the
+Split parameters (stage 1 without ``param_dtype``, :mod:`mindzero.engine.split`): step 1 takes the
 gradients w.r.t. each one's shard and rest and joins them into the full gradient, so steps 2-6 are the
 same at every layout.
 
