@@ -111,17 +111,17 @@ def own_and_rest(param, spec: ShardSpec, digests=None) -> tuple:
 
 
 def split_array(full, spec: ShardSpec) -> tuple:
-    """``(own, rest)`` of a full value (any shape) per ``spec``."""
+    """``(own, rest)`` of a full value (any shape) per ``spec``: the numpy twin of the train step's write-back,
+    by the same indices (:func:`mindzero.core.plan.split_indices`)."""
     flat = np.zeros(spec.numel + spec.padding, dtype=full.dtype)
     flat[:spec.numel] = np.ascontiguousarray(full).reshape(-1)
-    lo, hi = spec.offset, spec.offset + spec.shard_size
-    return flat[lo:hi].copy(), np.concatenate((flat[:lo], flat[hi:]))
+    return flat[spec.offset:spec.offset + spec.shard_size].copy(), flat[split_indices(spec)[1]]
 
 
 def joined_array(own, rest, spec: ShardSpec) -> np.ndarray:
-    """The full value (the parameter's shape) of a split pair's arrays (the twin of :func:`split_array`)."""
-    lo = spec.offset
-    return np.concatenate((rest[:lo], own, rest[lo:]))[:spec.numel].reshape(spec.shape)
+    """The full value (the parameter's shape) of a split pair's arrays: the numpy twin of
+    :func:`mindzero.comm.layout.join_split`, by the same index."""
+    return np.concatenate((own, rest))[split_indices(spec)[0]].reshape(spec.shape)
 
 
 def split_network_parameters(network: nn.Cell, specs: dict, names, digests: dict) -> dict:
@@ -166,9 +166,6 @@ class FullView:
 
     def asnumpy(self) -> np.ndarray:
         return joined_array(self.own.asnumpy(), self.rest.asnumpy(), self.spec)
-
-    def value(self):
-        return Tensor(self.asnumpy(), self.dtype)
 
     def set_data(self, data):
         own, rest = split_array(data.asnumpy() if hasattr(data, "asnumpy") else np.asarray(data), self.spec)
