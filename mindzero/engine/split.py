@@ -140,7 +140,7 @@ def split_network_parameters(network: nn.Cell, specs: dict, names, digests: dict
                 pairs[param.name] = (Parameter(Tensor(own, param.dtype), name=param.name,
                                                requires_grad=param.requires_grad),
                                      Parameter(Tensor(rest, param.dtype), name=REST_PREFIX + param.name,
-                                               requires_grad=param.requires_grad))
+                                               requires_grad=False))  # not trainable: the step lists it for its gradient
             dtype = compute_dtype(cell)
             key = SplitRead.key(spec, dtype)
             if key not in readers:
