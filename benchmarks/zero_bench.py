@@ -1,6 +1,7 @@
 """Memory and speed of mindzero stages 0-3 against plain MindSpore data parallel, measured in one run.
 
     .venv/bin/python benchmarks/zero_bench.py [--worlds 2,4] [--configs dp,0,1,2,3] [--fp16] [--out runs/zero_bench]
+        [--link-rate 200mbit [--link-delay 1ms]]
 
 For each world size, one msrun launch per configuration (so each process's memory is that
 configuration's alone) trains the same GPT (default 14 layers, width 768, vocab 8192, tied head: 105M
@@ -35,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from mindzero.core.estimate import paper_formula  # noqa: E402
+from mindzero.launch.link import LinkShape  # noqa: E402
 from mindzero.launch.local import msrun  # noqa: E402
 from zero_bench_worker import add_model_args, model_args  # noqa: E402
 
@@ -58,9 +60,13 @@ def run_config(config, world, out, a):
     if a.fp16:
         args.append("--fp16")
     t = time.time()
-    msrun(ROOT / "benchmarks" / "zero_bench_worker.py", world, run_dir, args=args, timeout=a.timeout)
+    msrun(ROOT / "benchmarks" / "zero_bench_worker.py", world, run_dir, args=args, timeout=a.timeout, link=a.link)
     print(f"  {NAMES[config]} x{world}: {time.time() - t:.0f}s", flush=True)
-    return [json.loads((run_dir / f"rank_{r}.json").read_text()) for r in range(world)]
+    ranks = [json.loads((run_dir / f"rank_{r}.json").read_text()) for r in range(world)]
+    if a.link is not None:  # what the shaped loopback carried during the whole job (every rank, compile included)
+        ranks[0]["link"] = json.loads((run_dir / "link.json").read_text())
+        (run_dir / "rank_0.json").write_text(json.dumps(ranks[0]))
+    return ranks
 
 
 def peak_above_init(rank_result) -> float:
@@ -99,7 +105,8 @@ def summarize(results, world):
                       for p in r0["phases"]],
             calls=comm["calls"], comm_mib=comm["bytes"] / MIB, traffic_mib=comm["traffic"] / MIB,
             traffic_real_mib=r0["comm_real"]["total"]["traffic"] / MIB,
-            losses=r0["losses"], collective_seconds=r0.get("collective_seconds")))
+            losses=r0["losses"], collective_seconds=r0.get("collective_seconds"),
+            link_mib=r0["link"]["bytes"] / MIB if "link" in r0 else None))
     return rows
 
 
@@ -226,7 +233,13 @@ def main(argv=None):
     ap.add_argument("--eager", action="store_true", help="build mindzero's networks eagerly, not under lazy_init")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--reuse", action="store_true", help="reuse finished configurations under --out")
+    ap.add_argument("--link-rate", help="run every launch behind a shaped loopback of this rate, shared by the ranks "
+                                        "(e.g. 200mbit; mindzero.launch.link, docs/launch.md)")
+    ap.add_argument("--link-delay", help="with --link-rate: delay added to every packet (e.g. 1ms; needs sch_netem)")
     a = ap.parse_args(argv)
+    if a.link_delay and not a.link_rate:
+        ap.error(f"--link-delay {a.link_delay}: needs --link-rate")
+    a.link = LinkShape.parse(a.link_rate, a.link_delay) if a.link_rate else None
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     configs = a.configs.split(",")
@@ -242,7 +255,8 @@ def main(argv=None):
     print(table)
     meta = dict(command=command.strip(), seconds=time.time() - start, cpu_count=os.cpu_count(),
                 model=dict(vocab=a.vocab, dim=a.dim, layers=a.layers, heads=a.heads, seq=a.seq, batch=a.batch),
-                steps=a.steps, bucket_mib=a.bucket_mib, lazy=not a.eager)
+                steps=a.steps, bucket_mib=a.bucket_mib, lazy=not a.eager,
+                link=None if a.link is None else dict(rate_bit_s=a.link.rate, delay_ms=a.link.delay_ms))
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, goals=goals(rows)), indent=1))
     (out / "results.md").write_text(table + "\n")
     charts(rows, out)

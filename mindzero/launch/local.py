@@ -1,15 +1,19 @@
 """Run a script on several local ranks (``msrun``, one or several loopback "nodes", or ``mpirun``)
 with a timeout, a free port, and the log of the rank that failed first.
 
-``python -m mindzero.launch.local -n 2 [--nodes K] [--launcher msrun|mpirun] [--timeout S] [--out DIR] SCRIPT [ARGS...]``
+``python -m mindzero.launch.local -n 2 [--nodes K] [--launcher msrun|mpirun] [--timeout S] [--out DIR]
+[--link-rate RATE [--link-delay D]] SCRIPT [ARGS...]``
 
 The worker protocol: the script gets ``--out DIR`` appended and must write ``DIR/rank_<r>.done`` when it
 finishes (:func:`mindzero.launch.worker.start_worker` and ``Worker.finish`` do both for a script); a rank without it, a
 non-zero exit or a timeout (every process is then killed) fails the launch, naming the rank that failed
-first and showing its log tail. No launch waits forever. Used by the tests, the examples, the benchmarks
+first and showing its log tail. No launch waits forever. ``--link-rate`` runs the ranks in a private network
+namespace whose loopback carries at most RATE (one link shared by all ranks, :mod:`mindzero.launch.link`) and
+writes the bytes it carried to ``OUT/link.json``. Used by the tests, the examples, the benchmarks
 and the README's main command.
 """
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .link import LinkNamespace, LinkShape, LinkUnavailable
 from .logs import first_failure, log_tail, log_text, rank_log, rank_output, record_ranks
 
 # the directory holding this mindzero package (a source checkout or site-packages): workers import this copy
@@ -104,8 +109,9 @@ def _env(extra=None) -> dict:
     return env
 
 
-def _commands(launcher, script, world_size, nodes, out_dir, args, env):
-    """The launcher command lines (one per msrun "node"); ``env`` receives mpirun's scheduler port."""
+def _commands(launcher, script, world_size, nodes, out_dir, args, env, as_root=False):
+    """The launcher command lines (one per msrun "node"); ``env`` receives mpirun's scheduler port; ``as_root``:
+    the processes see themselves as root (a user namespace's mapping)."""
     port = free_port()
     tail = [str(script), "--out", str(out_dir), *map(str, args)]
     logs = out_dir / "logs"
@@ -127,7 +133,7 @@ def _commands(launcher, script, world_size, nodes, out_dir, args, env):
     exported = [x for name in ("PATH", "PYTHONPATH", "GLOG_v", "MALLOC_MMAP_THRESHOLD_", "MS_SCHED_PORT",
                                *[k for k in env if k.startswith(("MS_", "MINDZERO_"))])
                 for x in ("-x", name)]
-    root = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+    root = ["--allow-run-as-root"] if as_root or (hasattr(os, "geteuid") and os.geteuid() == 0) else []
     return [[mpirun_bin, *root, "--oversubscribe", "-n", str(world_size), "--output-filename",
              str(logs / "mpi"), *exported, sys.executable, "-m", "mindzero.launch", "--log-dir", str(logs), *tail]]
 
@@ -145,18 +151,22 @@ def _lost_scheduler_race(out_dir, node: int, node_out: str) -> bool:
 class LaunchOptions:
     """How :func:`launch` runs a job: ``launcher`` (``msrun`` or ``mpirun``), ``nodes`` (msrun invocations on
     loopback, one per "node", ``--node_rank``), ``env`` (added environment variables, e.g. ``MS_NODE_TIMEOUT``)
-    and ``memory`` (a :class:`MemoryWatch` that receives the job's peak RSS and kills it above its limit)."""
+    ``memory`` (a :class:`MemoryWatch` that receives the job's peak RSS and kills it above its limit) and ``link``
+    (a :class:`~mindzero.launch.link.LinkShape`: the ranks run behind a shaped loopback)."""
 
     launcher: str = "msrun"
     nodes: int = 1
     env: Optional[dict] = None
     memory: Optional[MemoryWatch] = None
+    link: Optional[LinkShape] = None
 
     def __post_init__(self):
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher={self.launcher!r}: must be one of {LAUNCHERS}")
         if not isinstance(self.nodes, int) or self.nodes < 1:
             raise ValueError(f"nodes={self.nodes!r}: must be an int >= 1")
+        if self.link is not None and not isinstance(self.link, LinkShape):
+            raise TypeError(f"link={self.link!r}: must be a mindzero.launch.link.LinkShape (LinkShape.parse('200mbit'))")
 
 
 @dataclass
@@ -175,9 +185,11 @@ def launch(script, world_size: int, out_dir, args=(), timeout: float = 900.0, **
 
     ``options`` are :class:`LaunchOptions`' fields: ``nodes > 1`` (msrun) starts one msrun per "node" on
     loopback, as on a real cluster; ``launcher="mpirun"`` starts ``mpirun -n N python -m mindzero.launch SCRIPT``;
-    ``env`` adds environment variables; ``memory`` watches the job's RSS.
+    ``env`` adds environment variables; ``memory`` watches the job's RSS; ``link`` runs every process in a private
+    network namespace behind a shaped loopback and writes what it carried to ``out_dir/link.json``.
 
     Raises:
+        LinkUnavailable: ``link`` was asked and this machine cannot make the namespace (says why).
         MemoryLimitExceeded: the job exceeded its memory limit (every process was killed).
         LaunchError: a rank failed, the launch timed out (all processes are killed), or a rank did not
             finish; the message names the rank that failed first and carries its log tail.
@@ -187,12 +199,24 @@ def launch(script, world_size: int, out_dir, args=(), timeout: float = 900.0, **
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("rank_*.done"):  # a previous launch's markers must not pass for this one's
         stale.unlink()
+    (out_dir / "link.json").unlink(missing_ok=True)
     env = _env(how.env)
-    cmds = _commands(how.launcher, script, world_size, how.nodes, out_dir, args, env)
-    outs = [open(out_dir / "logs" / f"launcher_{i}.out", "w") for i in range(len(cmds))]
-    job = _Job([subprocess.Popen(cmd, cwd=out_dir, env=env, stdout=o, stderr=subprocess.STDOUT,
-                                 start_new_session=True, text=True) for cmd, o in zip(cmds, outs)], outs, time.time())
-    _supervise(job, timeout, how.memory, f"{how.launcher} {Path(script).name} on {world_size} ranks")
+    space = LinkNamespace(how.link) if how.link is not None else None
+    try:
+        cmds = _commands(how.launcher, script, world_size, how.nodes, out_dir, args, env,
+                         as_root=space is not None and space.userns)
+        if space is not None:
+            cmds = [space.wrap(cmd) for cmd in cmds]
+        outs = [open(out_dir / "logs" / f"launcher_{i}.out", "w") for i in range(len(cmds))]
+        job = _Job([subprocess.Popen(cmd, cwd=out_dir, env=env, stdout=o, stderr=subprocess.STDOUT,
+                                     start_new_session=True, text=True) for cmd, o in zip(cmds, outs)], outs,
+                   time.time())
+        _supervise(job, timeout, how.memory, f"{how.launcher} {Path(script).name} on {world_size} ranks")
+        if space is not None:
+            _write_link_record(out_dir, how.link, space.counters(), time.time() - job.start)
+    finally:
+        if space is not None:
+            space.close()
     texts = [(out_dir / "logs" / f"launcher_{i}.out").read_text(errors="replace") for i in range(len(cmds))]
     codes = [0 if p.returncode and _lost_scheduler_race(out_dir, i, text) else p.returncode
              for i, (p, text) in enumerate(zip(job.procs, texts))]
@@ -209,6 +233,15 @@ def launch(script, world_size: int, out_dir, args=(), timeout: float = 900.0, **
     print(f"{how.launcher} {Path(script).name} x{world_size}" + (f" on {how.nodes} nodes" if how.nodes > 1 else "")
           + f": {time.time() - job.start:.0f}s")
     return out_dir
+
+
+def _write_link_record(out_dir: Path, shape: LinkShape, counted: dict, seconds: float) -> None:
+    """``link.json``: the shape and what the namespace's loopback carried during the job (every rank's bytes)."""
+    record = {"rate_bit_s": shape.rate, "delay_ms": shape.delay_ms, "qdisc": shape.qdisc(), "seconds": seconds,
+              **counted}
+    tmp = out_dir / "link.json.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(out_dir / "link.json")
 
 
 def _supervise(job: _Job, timeout: float, memory: Optional[MemoryWatch], what: str) -> None:
@@ -265,15 +298,21 @@ def main(argv=None):
     ap.add_argument("--launcher", choices=LAUNCHERS, default="msrun")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before every process is killed")
     ap.add_argument("--out", default="runs/latest", help="output directory (logs in OUT/logs)")
+    ap.add_argument("--link-rate", help="run the ranks behind a loopback of this rate, shared by all ranks (tc units: "
+                                        "200mbit, 1gbit); needs Linux network namespaces (docs/launch.md)")
+    ap.add_argument("--link-delay", help="with --link-rate: delay added to every packet (1ms; needs sch_netem)")
     ap.add_argument("script")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
+    if a.link_delay and not a.link_rate:
+        ap.error(f"--link-delay {a.link_delay}: needs --link-rate")
+    link = LinkShape.parse(a.link_rate, a.link_delay) if a.link_rate else None
     out = Path(a.out).resolve()
     # ranks run with OUT as working directory (MindSpore drops its dumps there): absolute paths for files
     args = [str(Path(x).resolve()) if not x.startswith("-") and Path(x).exists() else x for x in a.args]
     try:
-        launch(Path(a.script).resolve(), a.nproc, out, args, a.timeout, nodes=a.nodes, launcher=a.launcher)
-    except LaunchError as err:
+        launch(Path(a.script).resolve(), a.nproc, out, args, a.timeout, nodes=a.nodes, launcher=a.launcher, link=link)
+    except (LaunchError, LinkUnavailable) as err:
         print(err, file=sys.stderr)
         return 1
     print(rank_output(out, 0))

@@ -5,6 +5,7 @@ The parity worker runs under each launcher (mixed net: plain DP and stages 0-3, 
 collectives and the plan-mismatch check), so the launchers are checked by training results,
 not by "it started".
 """
+import json
 import shutil
 import time
 
@@ -75,3 +76,28 @@ def test_dead_rank_ends_the_job_naming_it(tmp_path, launcher, nodes, n, victim, 
     assert took < DEATH_BOUND, f"the job took {took:.0f}s to end after rank {victim} died"
     if mode == "raise":
         assert f"deliberate failure on rank {victim}" in text, text
+
+
+def test_shaped_link_slows_the_collectives_by_the_bytes_over_the_rate(tmp_path):
+    """``link=``: the ranks run behind a loopback of 200 Mbit/s shared by all of them. The all-reduces take at
+    least the ring's bytes over the rate (unshaped they take milliseconds here) and the namespace's counter saw at
+    least those bytes."""
+    from mindzero.launch.link import LinkShape, LinkUnavailable, check_link_support
+
+    shape = LinkShape.parse("200mbit")
+    try:
+        check_link_support(shape)
+    except LinkUnavailable as err:
+        pytest.skip(f"no shaped link on this machine: {err}")
+    n, mib, reps = 2, 4.0, 3
+    launch(WORKERS / "worker_link.py", n, tmp_path, ["--mib", mib, "--reps", reps], timeout=300, link=shape)
+    payload = mib * 2 ** 20
+    ring = n * 2 * (n - 1) / n * payload  # bytes all ranks send for one all-reduce, at the least
+    counted = json.loads((tmp_path / "link.json").read_text())
+    assert counted["rate_bit_s"] == 200_000_000 and counted["qdisc"][0] == "tbf", counted
+    assert counted["bytes"] >= (reps + 1) * ring, counted  # the warm-up's too
+    bound = reps * ring / shape.bytes_per_second  # seconds the shaped link needs at the least
+    for r in range(n):
+        took = json.loads((tmp_path / f"rank_{r}" / "link.json").read_text())["seconds"]
+        assert took >= 0.9 * bound, f"rank {r}: {reps} all-reduces of {mib} MiB took {took:.2f}s, below the " \
+                                    f"{bound:.2f}s the link's rate allows: the link was not shaped"

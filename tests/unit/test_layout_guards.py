@@ -17,7 +17,7 @@ PURE_PACKAGES = ("mindzero.core",)
 PURE_MODULES = ("mindzero", "mindzero.checkpoint", "mindzero.checkpoint.format", "mindzero.checkpoint.tensor_io",
                 "mindzero.checkpoint.source", "mindzero.checkpoint.offline", "mindzero.checkpoint.cli",
                 "mindzero.checkpoint.directory",
-                "mindzero.launch", "mindzero.launch.local", "mindzero.launch.mpi")
+                "mindzero.launch", "mindzero.launch.local", "mindzero.launch.mpi", "mindzero.launch.link")
 
 
 def _modules(package: str) -> list:
