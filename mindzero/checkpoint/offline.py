@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..core.checks import require_int
-from ..core.plan import REASON_FROZEN, REASON_USER, ParamInfo, PartitionPlan, is_per_rank
+from ..core.plan import REASON_FROZEN, REASON_PERSISTENT, REASON_USER, ParamInfo, PartitionPlan, is_per_rank
 from .format import FORMATS, SplitInfo, SplitInfoError, entry_at, split_info_name, write_marker
 from .source import MergeError, Source
 from ..core.checksum import crc32_array
@@ -126,10 +126,11 @@ def merge_checkpoint(ckpt_dir, out, format="ckpt", with_optimizer=False, force=F
 def _plan_from_entries(ref: SplitInfo, op_size: int) -> PartitionPlan:
     """The plan of a checkpoint's parameters over ``op_size`` ranks, each kept in its role: buffers per rank,
     frozen weights kept whole where the run kept them whole (a sharded frozen weight is placed as any
-    sharded parameter)."""
+    sharded parameter), stage 3's persistent parameters whole (the threshold is in elements: the same at any
+    world size)."""
     infos = [ParamInfo(t.name, tuple(t.shape), t.dtype,
                        optimized=not (is_per_rank(t.replicated_reason) or t.replicated_reason == REASON_FROZEN),
-                       parallel_optimizer=t.replicated_reason != REASON_USER,
+                       parallel_optimizer=t.replicated_reason not in (REASON_USER, REASON_PERSISTENT),
                        written=is_per_rank(t.replicated_reason))
              for t in ref.tensors if t.kind == "parameter"]
     return PartitionPlan.build(infos, op_size, 0, shard_frozen=False)

@@ -20,11 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .config import FusionConfig, StagePolicy
+from .plan import REASON_PERSISTENT
 from .quant import payload_bytes
 from .topology import COLLECTIVES, World
 from .state import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommBucket, ParamState, ZeroState
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
+# stage 3's persistent parameters (below stage3_param_persistence_threshold) are all-reduced together in buckets of
+# this many bytes when comm_fusion sets no allreduce bucket: small tensors, one call where there were one each
+PERSISTENT_BUCKET_BYTES = 32 * 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -109,14 +113,17 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig) -> tuple:
     ``params``: :class:`~mindzero.core.state.ParamState` per optimized parameter (optimizer order). Stage 2
     reduce-scatters the sharded gradients every micro-step, stage 1 at the accumulation boundary; stage 3
     reduce-scatters each where it is read (:class:`mindzero.engine.stage3.GatherFull`, no bucket); every stage
-    all-reduces the rest (stage 0: every gradient) at the boundary; stages 1-2 all-gather the updated
+    all-reduces the rest (stage 0: every gradient) at the boundary, stage 3's persistent parameters in fused
+    buckets whatever ``comm_fusion`` says (:data:`PERSISTENT_BUCKET_BYTES`); stages 1-2 all-gather the updated
     shards, split or master (``gather`` positions index the sharded parameters, in order). Buckets follow
     ``comm_fusion`` (one tensor each without it).
     """
-    def units(positions, kind, fusion_kind, held=False, relative=False):
+    def units(positions, kind, fusion_kind, held=False, relative=False, bucket_bytes=None):
         specs = [params[i].spec if held else params[i].reduce_spec for i in positions]
+        groups = (spec_buckets(specs, fusion, fusion_kind) if bucket_bytes is None else
+                  buckets([s.numel * s.itemsize for s in specs], [s.dtype for s in specs], bucket_bytes))
         return tuple(CommBucket(tuple(j if relative else positions[j] for j in b), kind, tuple(specs[j] for j in b))
-                     for b in spec_buckets(specs, fusion, fusion_kind))
+                     for b in groups)
 
     sharded = [i for i, p in enumerate(params) if p.sharded]
     master_shards = policy.shard_optimizer_states and not policy.shard_parameters  # stages 1-2
@@ -125,7 +132,11 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig) -> tuple:
         micro = units(sharded, REDUCE_SCATTER, "reduce_scatter")
     elif master_shards:
         boundary = units(sharded, REDUCE_SCATTER, "reduce_scatter")
-    boundary += units([i for i, p in enumerate(params) if not p.sharded], ALL_REDUCE, "allreduce")
+    replicated = [i for i, p in enumerate(params) if not p.sharded]
+    persistent = [i for i in replicated if params[i].spec.reason == REASON_PERSISTENT]
+    boundary += units([i for i in replicated if i not in persistent], ALL_REDUCE, "allreduce")
+    boundary += units(persistent, ALL_REDUCE, "allreduce",
+                      bucket_bytes=fusion.bucket_bytes("allreduce") or PERSISTENT_BUCKET_BYTES)
     if master_shards:
         gather = units(sharded, ALL_GATHER, "allgather", held=True, relative=True)
     return micro, boundary, gather

@@ -286,18 +286,22 @@ class Stage3Policy:
     """Stage 3's options, and the two rules they follow, checked here once: ``regather`` (graph mode: gather
     each parameter again in backward instead of keeping its full value from forward), ``shard_frozen`` (also
     shard the parameters the optimizer does not update), ``quantization`` (int8 weight gathers,
-    :mod:`mindzero.core.quant`) and ``units`` (parameters sharing one all-gather, :mod:`mindzero.core.units`).
-    ``quantization`` and ``units`` need ``zero_stage=3`` (:meth:`check_stage`); ``units`` needs graph mode and
-    ``regather`` applies in graph mode only (:meth:`for_mode`)."""
+    :mod:`mindzero.core.quant`), ``units`` (parameters sharing one all-gather, :mod:`mindzero.core.units`) and
+    ``persistence_threshold`` (parameters of fewer elements are kept whole: no gather, one fused all-reduce of
+    their gradients; DeepSpeed's ``stage3_param_persistence_threshold``; below stage 3 it changes nothing, as
+    there). ``quantization`` and ``units`` need ``zero_stage=3`` (:meth:`check_stage`); ``units`` needs graph
+    mode and ``regather`` applies in graph mode only (:meth:`for_mode`)."""
 
     regather: bool = True
     shard_frozen: bool = True
     quantization: Optional[GatherQuantization] = None
     units: Optional[GatherUnits] = None
+    persistence_threshold: int = 0
 
     def __post_init__(self):
         require_bool("stage3_regather", self.regather)
         require_bool("shard_frozen", self.shard_frozen)
+        require_int("stage3_param_persistence_threshold", self.persistence_threshold, 0)
         for name, value, cls in (("gather_quantization", self.quantization, GatherQuantization),
                                  ("gather_units", self.units, GatherUnits)):
             if value is not None and not isinstance(value, cls):
@@ -332,7 +336,7 @@ class Stage3Policy:
         if self.units is not None:
             raise ValueError(f"gather_units={self.units.as_setting()!r} needs GRAPH_MODE: PyNative runs every read's "
                              "gather separately, so each would all-gather its whole unit; pass gather_units=None")
-        return Stage3Policy(False, self.shard_frozen, self.quantization, None)
+        return Stage3Policy(False, self.shard_frozen, self.quantization, None, self.persistence_threshold)
 
 
 @dataclass(frozen=True)
@@ -382,6 +386,12 @@ class ZeroConfig:
     def policy(self) -> StagePolicy:
         return stage_policy(self.zero_stage)
 
+    @property
+    def persist_below(self) -> int:
+        """Elements below which the plan keeps a parameter whole: stage 3's persistence threshold, 0 below
+        stage 3 (:meth:`mindzero.core.plan.PartitionPlan.build`)."""
+        return self.stage3.persistence_threshold if self.policy.shard_parameters else 0
+
     @staticmethod
     def from_arguments(arguments: dict) -> "ZeroConfig":
         """The config of ``prepare_train_network``'s keyword arguments (or a settings mapping's keys), each
@@ -407,7 +417,8 @@ class ZeroConfig:
                           optimizer_offload=a["optimizer_offload"],
                           stage3=Stage3Policy(a["stage3_regather"], a["shard_frozen"],
                                               GatherQuantization.parse(a["gather_quantization"]),
-                                              GatherUnits.parse(a["gather_units"])))
+                                              GatherUnits.parse(a["gather_units"]),
+                                              a["stage3_param_persistence_threshold"]))
 
 
 def check_option(key: str, value) -> None:

@@ -14,7 +14,10 @@ Vocabulary (used across mindzero):
 * **op group** (optimizer-parallel group): the ranks that share one copy of the
   sharded state; ``op_size`` below is its size and ``op_rank`` a rank's shard index in it.
 * **replicated**: a parameter every rank keeps whole, with the reason recorded
-  (``parallel_optimizer=False``, a buffer the network writes, frozen with ``shard_frozen=False``, or empty).
+  (``parallel_optimizer=False``, a buffer the network writes, frozen with ``shard_frozen=False``, empty, or
+  at stage 3 smaller than ``stage3_param_persistence_threshold`` elements: a *persistent* parameter, whose
+  gradient is all-reduced with the other persistent ones in one fused call instead of a gather and a
+  reduce-scatter each).
 * **frozen**: a parameter the optimizer does not update and the network only reads (a frozen backbone of
   adapter fine-tuning): sharded at stage 3 like a trainable one (``ShardSpec.optimized`` False), with no
   gradient and no optimizer state. A **buffer** the network writes (BatchNorm's moving statistics, a
@@ -44,6 +47,7 @@ REASON_USER = "parallel_optimizer=False"
 REASON_BUFFER = "a buffer the network writes"
 REASON_FROZEN = "frozen (not updated by the optimizer), kept whole: shard_frozen=False"
 REASON_EMPTY = "has no elements"
+REASON_PERSISTENT = "smaller than stage3_param_persistence_threshold: kept whole"
 # the reason of every parameter the optimizer did not update, in plans and checkpoints before frozen weights
 # were sharded (split-info format versions 1-2 still carry it): a per-rank value
 REASON_NOT_OPTIMIZED = "not updated by the optimizer (buffer or frozen)"
@@ -234,15 +238,18 @@ class PartitionPlan:
     specs: tuple = field(default_factory=tuple)
 
     @staticmethod
-    def build(params: Iterable[ParamInfo], op_size: int, op_rank: int, *, shard_frozen: bool = True) -> "PartitionPlan":
+    def build(params: Iterable[ParamInfo], op_size: int, op_rank: int, *, shard_frozen: bool = True,
+              persist_below: int = 0) -> "PartitionPlan":
         """Shard every non-empty parameter that the user did not opt out and the network does not write, over
         an op group of ``op_size`` ranks, seen from ``op_rank``: the optimized ones, and the frozen ones unless
-        ``shard_frozen`` is False.
+        ``shard_frozen`` is False; a parameter of fewer than ``persist_below`` elements is kept whole
+        (:data:`REASON_PERSISTENT`; stage 3's ``stage3_param_persistence_threshold``, 0 for the other stages).
 
         Raises:
             ValueError: ``op_size`` < 1, ``op_rank`` outside ``[0, op_size)``, or a duplicate parameter name.
         """
         require_int("op_size", op_size, 1)
+        require_int("persist_below", persist_below, 0)
         if not is_int(op_rank) or not 0 <= op_rank < op_size:
             raise ValueError(f"op_rank must be an int in [0, op_size={op_size}), got {op_rank!r}")
         specs, seen = [], set()
@@ -260,6 +267,8 @@ class PartitionPlan:
                 reason = REASON_FROZEN
             elif math.prod(shape) == 0:
                 reason = REASON_EMPTY
+            elif math.prod(shape) < persist_below:
+                reason = REASON_PERSISTENT
             specs.append(ShardSpec(p.name, shape, str(p.dtype), op_size, op_rank, not reason, reason, p.optimized))
         return PartitionPlan(op_size, op_rank, tuple(specs))
 
@@ -298,6 +307,12 @@ class PartitionPlan:
         lines = [f"partition plan: {len(self.sharded)} sharded ({frozen} of them frozen: sharded at stage 3, "
                  f"no gradient or optimizer state), {len(self.replicated)} replicated parameters over an op group "
                  f"of {self.op_size} (op rank {self.op_rank}); padding {pad} elements in all"]
+        kept = [s for s in self.replicated if s.reason == REASON_PERSISTENT]
         for s in self.replicated:
-            lines.append(f"  replicated {s.name} {s.shape}: {s.reason}")
+            if s.reason != REASON_PERSISTENT:
+                lines.append(f"  replicated {s.name} {s.shape}: {s.reason}")
+        if kept:  # often a hundred biases and norms: one line
+            names = ", ".join(s.name for s in kept[:3]) + (", ..." if len(kept) > 3 else "")
+            lines.append(f"  replicated {len(kept)} parameters of {sum(s.numel for s in kept)} elements ({names}): "
+                         f"{REASON_PERSISTENT}, gradients all-reduced together")
         return "\n".join(lines)

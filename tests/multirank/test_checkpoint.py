@@ -37,6 +37,8 @@ def runs(tmp_path_factory):
     two += [Case("lora-3", "lora", 3, str(ck / "lora-3"))]  # frozen weights sharded, buffers per rank
     # mint.optim's Adam (AMSGrad, two groups): its states, the per-group max_exp_avg_sq and its step counter
     two += [Case("mint-2", "mixed", 2, str(ck / "mint-2"), optimizer="mint_adam")]
+    # stage 3 with the mixed net's biases kept whole (stage3_param_persistence_threshold)
+    two += [Case("persist-3", "mixed", 3, str(ck / "persist-3"), persist=64)]
     four = [Case("awk4-s3", "awkward", 3, str(ck / "awk4-s3"))]
     launch(2, root / "train2", "train", two)
     launch(4, root / "train4", "train", four)
@@ -51,12 +53,13 @@ def runs(tmp_path_factory):
     launch(2, root / "resume2", "resume", resume2)
     launch(4, root / "resume4", "resume", [Case("awk2-to-4", "awkward", 3, str(ck / "awk2-to-4-s3")),
                                            Case("awk2-direct-4", "awkward", 3, str(ck / "awk2-s1")),
-                                           Case("lora2-direct-4", "lora", 3, str(ck / "lora-3"))])
+                                           Case("lora2-direct-4", "lora", 3, str(ck / "lora-3")),
+                                           Case("persist-direct-4", "mixed", 3, str(ck / "persist-3"), persist=64)])
     return root
 
 
 @pytest.mark.parametrize("name", [f"mixed-{s}" for s in STAGES] + ["resnet-3", "mp-mixed-1", "mp-mixed-3",
-                                                                   "mixed-3-async", "lora-3", "mint-2"])
+                                                                   "mixed-3-async", "lora-3", "mint-2", "persist-3"])
 def test_resume_in_fresh_processes(runs, name):
     """Fresh processes restore the saved state bit for bit, and continue exactly as the run that never
     stopped. Exception, measured: the BatchNorm/Conv2d net at 2 ranks differs by 1 ulp in its 3rd resumed
@@ -239,3 +242,28 @@ def test_frozen_weights_save_merge_and_resume_at_another_world_size(runs, tmp_pa
             name = k[len("saved/"):]
             expect = own[k] if name in ("steps", "bn.moving_mean", "bn.moving_variance") else saved[k]
             np.testing.assert_array_equal(got["loaded/" + name], expect, err_msg=f"rank {r} {name}")
+
+
+def test_persistent_parameters_save_whole_merge_and_load_at_another_world_size(runs, tmp_path):
+    """Stage 3 with the mixed net's biases kept whole (stage3_param_persistence_threshold=64): the split info
+    records them replicated for that reason (the weights sharded); the merge gives the full values saved; a
+    4-rank run with the same threshold loads the 2-rank checkpoint and holds every saved value."""
+    from mindzero.checkpoint.format import SplitInfo
+    from mindzero.checkpoint.tensor_io import open_reader
+    from mindzero.core.plan import REASON_PERSISTENT
+
+    ck = runs / "checkpoints" / "persist-3"
+    entries = {t.name: t for t in SplitInfo.read(ck / "params_split_info_0.json").tensors if t.kind == "parameter"}
+    kept = {n for n, t in entries.items() if t.replicated_reason == REASON_PERSISTENT}
+    assert kept == {"inp.bias", "half.bias", "block.0.bias"}, kept
+    assert all(entries[n].sharded for n in ("inp.weight", "half.weight", "block.0.weight", "out.weight"))
+    saved = load(runs / "train2", 0, "persist-3")
+    mindzero.merge_checkpoint(ck, tmp_path / "m.ckpt", log=None)
+    merged = open_reader(tmp_path / "m.ckpt")
+    for name in entries:
+        np.testing.assert_array_equal(merged.read(name), saved["saved/" + name], err_msg=name)
+    for r in range(4):
+        got = load(runs / "resume4", r, "persist-direct-4")
+        for name in entries:
+            np.testing.assert_array_equal(got["loaded/" + name], saved["saved/" + name], err_msg=f"rank {r} {name}")
+        assert np.isfinite(got["last"]).all()

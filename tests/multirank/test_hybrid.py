@@ -63,6 +63,14 @@ def test_hybrid_gather_units_equal_per_parameter_gathers(res):
                         loss_rtol=LOSS_NOISE)
 
 
+def test_hybrid_persistence_threshold_trains_as_sharding_everything(res):
+    """stage3_param_persistence_threshold under hybrid sharding: the kept parameters' gradients all-reduced over the
+    world, the rest sharded in the op groups: bit for bit as sharding everything."""
+    for r in range(N):
+        assert_same_run(res.load(r, "persist-h3"), res.load(r, "gpt-h3"), f"persist-h3 vs gpt-h3 rank {r}", rtol=0.0,
+                        loss_rtol=LOSS_NOISE)
+
+
 def test_every_rank_of_a_hybrid_run_sees_its_own_data(res):
     """Data is sharded by world rank over the world size (``start_data_parallel``'s world), not by the op rank,
     which repeats across replicas: the 4 ranks of a hybrid run (op ranks 0, 1, 0, 1) train on 4 different

@@ -15,7 +15,7 @@ from tests.support.compare import (LOSS_NOISE, ON_CPU, RTOL, RTOL_FP16, RTOL_FP1
                                    assert_parity_checks, assert_same_run, rel_err)
 from tests.support.models import PARITY_MODELS
 from tests.support.release import RELEASE_OPTIMIZERS
-from tests.support.scenarios import AUTO_AMP_MODELS, UNITS, parity_scenarios
+from tests.support.scenarios import AUTO_AMP_MODELS, PERSISTS, UNITS, parity_scenarios
 from tests.support.tier import Launch, full_tier, worker_args
 
 from . import WORKERS
@@ -43,14 +43,20 @@ def test_collectives_and_plan_mismatch(run):
 
 def test_collectives_per_step_match_the_plan(run):
     """PyNative, one optimizer step of 2 micro-steps: the collectives really called (counted at the primitive)
-    equal ``zero_info.calls`` (the verbose log's numbers), per kind, in calls and bytes."""
+    equal ``zero_info.calls`` (the verbose log's numbers), per kind, in calls and bytes; stage 3's persistence
+    threshold takes the kept parameters' gathers and reductions away, for one fused all-reduce."""
     n, res = run
     for r in range(n):
         counts = res.json(r, "collective_counts.json")
-        assert len(counts) == (12 if n == 2 else 8)  # param_dtype=float16 at 2 ranks
+        assert len(counts) == (13 if n == 2 else 9)  # param_dtype=float16 at 2 ranks
         for key, c in counts.items():
             assert c["counted"] == c["plan"], (r, key, c)
             assert c["counted"]["all_reduce"]["calls"] > 0, (r, key)
+        # stage 3 with w1, gain and temp kept whole: their 3 gathers and 3 reduce-scatters per micro-step (PyNative
+        # does not re-gather) become one fused all-reduce per step (CPU: a reduce-scatter is an all-reduce)
+        kept, plain = counts["3-plain-persist"]["counted"], counts["3-plain"]["counted"]
+        assert plain["all_gather"]["calls"] - kept["all_gather"]["calls"] == 3 * 2, (kept, plain)
+        assert plain["all_reduce"]["calls"] - kept["all_reduce"]["calls"] == 2 * 3 - 1, (kept, plain)
 
 
 def test_fusion_cuts_collectives_per_step(run):
@@ -104,6 +110,27 @@ def test_gather_units_cut_the_gathers_counted_in_the_executed_graph(run):
         assert grouped["all_gather"] <= grouped["plan"]["all_gather"]
         assert "weight gathers: 1 unit of 12 parameters ('block'), one all-gather each" in grouped["verbose"]
         assert "weight gathers" not in one["verbose"]
+
+
+@scenarios(lambda name, ref: [name, ref])
+@pytest.mark.parametrize("name, ref", [(p.name, p.reference) for p in PERSISTS], ids=[p.name for p in PERSISTS])
+def test_persistence_threshold_trains_as_sharding_everything(run, name, ref):
+    """``stage3_param_persistence_threshold``: the TinyGPT's biases and norms (and the mixed net's small tensors)
+    kept whole and all-reduced together train as the run that shards them, bit for bit (the same sums: a CPU
+    reduce-scatter is an all-reduce and a slice), at every stage (below 3 it changes nothing), with fp16
+    parameters and a forced overflow; clipped, the global norm adds the same squares in another order, so that row
+    is held to the parity bar. At stage 3 the kept parameters are whole on every rank and in the memory report."""
+    n, res = run
+    scn = res.scenario(name)
+    rtol = RTOL if "clip" in name else 0.0
+    for r in range(n):
+        assert_same_run(res.load(r, name), res.load(r, ref), f"{name} vs {ref} rank {r}", rtol=rtol,
+                        loss_rtol=LOSS_NOISE, overflow=scn.force_overflow)
+    if scn.stage == 3:
+        mem = res.json(0, "memory.json")
+        kept, sharded = mem[name], mem[ref]
+        assert kept["parameters"] == kept["expected"]["parameters"] > sharded["parameters"], (kept, sharded)
+        assert kept["optimizer_states"] == kept["expected"]["optimizer_states"] > sharded["optimizer_states"]
 
 
 @scenarios(lambda stage: [f"fused-{stage}", f"clip-{stage}"])

@@ -25,7 +25,8 @@ def make(case: CheckpointCase):
     net = build(case.model)
     opt = make_optimizer(case.optimizer, net)
     wrapped = ms.amp.auto_mixed_precision(net, "O2") if case.param_dtype else net
-    return net, mindzero.prepare_train_network(wrapped, opt, zero_stage=case.stage, param_dtype=case.param_dtype)
+    return net, mindzero.prepare_train_network(wrapped, opt, zero_stage=case.stage, param_dtype=case.param_dtype,
+                                               stage3_param_persistence_threshold=case.persist)
 
 
 def train_steps(train, cls, steps, world):

@@ -24,16 +24,19 @@ from tests.support.worker import counting_collectives, run, start, tally
 
 def count_collectives(world, out_dir):
     """PyNative: count the collectives one optimizer step really calls (K=2 micro-steps) and the bytes they
-    move, per stage, with and without comm_fusion, and with param_dtype=float16; store them next to the
-    plan's ``step_calls``."""
+    move, per stage, with and without comm_fusion, with param_dtype=float16, and at stage 3 with small parameters
+    kept whole (``stage3_param_persistence_threshold``); store them next to the plan's ``step_calls``."""
     import mindspore as ms
 
     from mindzero.core.comm_plan import all_gather_calls, reduce_scatter_calls, summarize
 
     results = {}
     with counting_collectives() as counted:
-        half = [(s, False, "float16") for s in (0, 1, 2, 3)] if world.world_size == 2 else []
-        for stage, fused, param_dtype in [(s, f, None) for s in (0, 1, 2, 3) for f in (False, True)] + half:
+        half = [(s, False, "float16", 0) for s in (0, 1, 2, 3)] if world.world_size == 2 else []
+        # stage 3 with w1 (105 elements), gain and temp kept whole (stage3_param_persistence_threshold)
+        persist = [(3, False, None, 200)]
+        for stage, fused, param_dtype, keep in [(s, f, None, 0) for s in (0, 1, 2, 3) for f in (False, True)] + half \
+                + persist:
             net = build("awkward")
             fusion = {k: {"bucket_size": 2 ** 20} for k in ("allreduce", "reduce_scatter", "allgather")} \
                 if fused else None
@@ -41,7 +44,8 @@ def count_collectives(world, out_dir):
                 net.to_float(ms.float16)
             train = mindzero.prepare_train_network(net, make_optimizer("adam", net), zero_stage=stage,
                                                    gradient_accumulation_steps=2, clip_grad=True,
-                                                   comm_fusion=fusion, param_dtype=param_dtype)
+                                                   comm_fusion=fusion, param_dtype=param_dtype,
+                                                   stage3_param_persistence_threshold=keep)
             counted.clear()
             for m in range(2):
                 train(*batch(type(net), 0, world.world_rank, m, n=2))
@@ -54,7 +58,8 @@ def count_collectives(world, out_dir):
                 w2 = dataclasses.replace(train.zero_info.plan["w2"], dtype=param_dtype or "float32")
                 extra = 2 * (all_gather_calls([w2], world, "forward") + reduce_scatter_calls([w2], world, "backward"))
             extra = summarize(extra)
-            results[f"{stage}-{'fused' if fused else 'plain'}{'-fp16' if param_dtype else ''}"] = dict(
+            key = f"{stage}-{'fused' if fused else 'plain'}{'-fp16' if param_dtype else ''}{'-persist' if keep else ''}"
+            results[key] = dict(
                 counted=got, plan={op: {k: plan[op][k] + extra[op][k] for k in ("calls", "bytes")} for op in got})
     (out_dir / "collective_counts.json").write_text(json.dumps(results, indent=1))
 

@@ -96,6 +96,19 @@ UNITS = [Scenario("units-gpt-3", "gpt", "sgd_decay", 3, {"gather_units": "block"
                   substitute=True, reference="real-3")]
 
 
+#: stage 3's persistence threshold (stage3_param_persistence_threshold): the TinyGPT's biases and norms (16 and 48
+#: elements; its weights and tables have 128 or more) kept whole and all-reduced in one fused call. Each row trains
+#: bit for bit as its ``reference`` (on CPU a reduce-scatter is an all-reduce and a slice: the same sums); below
+#: stage 3 the option changes nothing. ``persist-clip-3``: the mixed net's clipped run, whose global norm adds the
+#: persistent gradients' squares once beside the shards' (another order of the same sum: held to the parity bar).
+PERSIST = {"stage3_param_persistence_threshold": 100}
+PERSISTS = [*(Scenario(f"persist-gpt-{stage}", "gpt", "sgd_decay", stage, PERSIST, reference=f"gpt-{stage}",
+                       tier=DEFAULT if stage in (2, 3) else FULL) for stage in (0, 1, 2, 3)),
+            Scenario("persist-clip-3", "mixed", "adamw_groups", 3, {**CLIP, **PERSIST}, reference="clip-3"),
+            Scenario("mp-persist-3", "mixed", "adamw_groups", 3, {**FP16, **PERSIST}, force_overflow=True,
+                     tier=FULL, reference="mp-mixed-3")]
+
+
 def in_tier(scenarios, full_tier: bool) -> list:
     """The scenarios a tier runs: every one in the full tier, the ``"default"`` ones in the default suite."""
     return [s for s in scenarios if full_tier or s.tier == DEFAULT]
@@ -173,7 +186,7 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
                             {**CLIP, "gradient_accumulation_steps": 2}))
     names = {s.name for s in out}
     # 4 ranks: the default tier's rows whose reference runs there (real-3 is not in the reduced matrix)
-    out += [u for u in UNITS if u.reference in names and (full or u.tier == DEFAULT)]
+    out += [u for u in UNITS + PERSISTS if u.reference in names and (full or u.tier == DEFAULT)]
     return in_tier(out, full_tier)
 
 
@@ -201,6 +214,7 @@ def hybrid_scenarios(full_tier: bool = True) -> list:
     out.append(Scenario("mp-flat0", "gpt", "sgd_decay", 0, FP16))
     out.append(Scenario("mp-h3", "gpt", "sgd_decay", 3, {**HYBRID, **FP16}))  # param_dtype=float16 inside the op groups
     out.append(Scenario("units-h3", "gpt", "sgd_decay", 3, {**HYBRID, "gather_units": "block"}, reference="gpt-h3"))
+    out.append(Scenario("persist-h3", "gpt", "sgd_decay", 3, {**HYBRID, **PERSIST}, reference="gpt-h3"))
     for stage in (1, 2, 3):  # the GPU/Ascend path: op-group ReduceScatter + dp-group AllReduce, CPU-legal
         for fused in (False, True):
             settings = {**HYBRID, **CLIP, **({"comm_fusion": thirds("mixed")} if fused else {})}
@@ -223,6 +237,7 @@ class CheckpointCase:
     param_dtype: str = None
     async_save: bool = False
     optimizer: str = ""  # a name of tests.support.models.OPTIMIZERS; "": momentum for the resnet, else adamw
+    persist: int = 0  # stage3_param_persistence_threshold
 
     def __post_init__(self):
         if not self.optimizer:
