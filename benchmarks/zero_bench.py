@@ -44,7 +44,9 @@ MIB = 2 ** 20
 NAMES = {"dp": "plain DP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3",
          "2bfs": "stage 2, default order", "3bfs": "stage 3, default order",  # bfs: before the depth-first compile
          "3q": "stage 3, int8 gathers", "3h": "stage 3, fp16 reduction", "3qh": "stage 3, int8 + fp16",  # issue 24
-         "3u": "stage 3, a gather per block", "3uh": "stage 3, per block + fp16", "3quh": "stage 3, all three"}
+         "3u": "stage 3, a gather per block", "3uh": "stage 3, per block + fp16", "3quh": "stage 3, all three",
+         "3p": "stage 3, small kept whole", "3qhp": "stage 3, int8 + fp16 + small kept whole",  # issue 38
+         "3quhp": "stage 3, all three + small kept whole"}
 PHASES = ("init", "build", "prepare", "first_step", "steady")
 
 
@@ -52,7 +54,8 @@ def run_config(config, world, out, a):
     run_dir = out / f"w{world}_{config}"
     if a.reuse and all((run_dir / f"rank_{r}.json").exists() for r in range(world)):
         return [json.loads((run_dir / f"rank_{r}.json").read_text()) for r in range(world)]
-    args = ["--config", config, "--steps", str(a.steps), "--bucket-mib", str(a.bucket_mib), *model_args(a)]
+    args = ["--config", config, "--steps", str(a.steps), "--bucket-mib", str(a.bucket_mib),
+            "--persistence", str(a.persistence), *model_args(a)]
     if config != "dp" and not a.eager:
         args.append("--lazy")
     if config == "dp" and a.time_collectives:
@@ -233,6 +236,8 @@ def main(argv=None):
     ap.add_argument("--eager", action="store_true", help="build mindzero's networks eagerly, not under lazy_init")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--reuse", action="store_true", help="reuse finished configurations under --out")
+    ap.add_argument("--persistence", type=int, default=100_000,
+                    help="stage3_param_persistence_threshold of the 'p' configurations (e.g. 3p)")
     ap.add_argument("--link-rate", help="run every launch behind a shaped loopback of this rate, shared by the ranks "
                                         "(e.g. 200mbit; mindzero.launch.link, docs/launch.md)")
     ap.add_argument("--link-delay", help="with --link-rate: delay added to every packet (e.g. 1ms; needs sch_netem)")

@@ -78,7 +78,9 @@ def parse_args():
                     "MindSpore's default kernel order instead of depth-first (what it did before; docs/stages.md); "
                     "'3q': stage 3 with int8 weight gathers (gather_quantization='int8'), '3h': with gradients reduced "
                     "in fp16 (reduce_dtype=float16, loss scale 1024), '3qh': both; 'u' (e.g. '3u', '3quh'): one all-gather per "
-                    "transformer block (gather_units='*blocks.*')")
+                    "transformer block (gather_units='*blocks.*'); 'p' (e.g. '3p', '3qhp'): parameters below "
+                    "--persistence elements kept whole (stage3_param_persistence_threshold)")
+    ap.add_argument("--persistence", type=int, default=100_000, help="the threshold of a 'p' configuration")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=10, help="steps after the first")
     add_model_args(ap)
@@ -201,7 +203,8 @@ def main():
                                                gather_quantization="int8" if "q" in flags else None,
                                                reduce_dtype="float16" if half_reduce else None,
                                                scale_sense=1024.0 if half_reduce else 1.0,
-                                               gather_units="*blocks.*" if "u" in flags else None)
+                                               gather_units="*blocks.*" if "u" in flags else None,
+                                               stage3_param_persistence_threshold=a.persistence if "p" in flags else 0)
         if a.config.endswith("bfs"):
             train.exec_order = None  # MindSpore's default order (bfs), as before the depth-first compile
         if a.pretrained:
