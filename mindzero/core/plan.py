@@ -101,18 +101,18 @@ def splits_evenly(spec) -> bool:
     return spec.sharded and spec.padding < spec.shard_size
 
 
-def split_indices(spec) -> tuple:
-    """``(join, rest)`` index arrays (int32) of a split parameter on ``spec``'s rank: ``join[i]`` is where element
-    ``i`` of the full flat parameter sits in ``concat(own, rest)``; ``rest`` the positions of the padded flat
-    tensor outside this rank's shard, in order."""
+def split_rows(spec) -> tuple:
+    """``(order, rest)`` row indices (int32) of a split parameter on ``spec``'s rank, the padded flat parameter seen
+    as ``op_size`` rows of one shard each. ``concat(own, rest)`` holds this rank's row first, then the other
+    op ranks' in order: ``order[r]`` is where op rank ``r``'s row sits there; ``rest`` the op ranks whose rows
+    the rest holds. ``op_size`` and ``op_size - 1`` entries: a constant of a few bytes in every rank's graph, of
+    the same shape on every rank (an index per element, the first version, cost 1.5x the parameters' bytes at
+    2 ranks: docs/stages.md)."""
     import numpy as np
 
-    lo, size = spec.offset, spec.shard_size
-    p = np.arange(spec.numel)
-    join = np.where(p < lo, size + p, np.where(p < lo + size, p - lo, p))
-    padded = np.arange(spec.numel + spec.padding)
-    rest = padded[(padded < lo) | (padded >= lo + size)]
-    return join.astype(np.int32), rest.astype(np.int32)
+    r, n = spec.op_rank, spec.op_size
+    order = [0 if k == r else (k + 1 if k < r else k) for k in range(n)]
+    return np.array(order, np.int32), np.array([k for k in range(n) if k != r], np.int32)
 
 
 def dtype_bytes(dtype: str) -> int:

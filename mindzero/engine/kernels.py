@@ -140,11 +140,11 @@ def _gather_write(after, gather, full, shard, split, index):
 
 
 @write_gathered.register("Tensor", "Tensor", "Bool", "Tensor")
-def _write_gathered(held, value, split, index):
+def _write_gathered(held, value, split, rows):
     """``held := value`` (the gathered padded flat tensor) without its padding, in ``held``'s shape; for a
-    split parameter ``held`` is the rest: ``value`` at ``index`` (every position but this rank's shard)."""
+    split parameter ``held`` is the rest: ``value``'s ``rows`` (every op rank's shard but this rank's)."""
     if split:
-        return ops.assign(held, rest_of(value, index))
+        return ops.assign(held, rest_of(value, rows))
     return _write_full(held, value)
 
 
@@ -155,13 +155,14 @@ def _write_full(full, value):
     return ops.assign(full, value.reshape(full.shape))
 
 
-@join_at.register("Tuple", "Number", "Number", "Tensor", "Tuple")
-def _join_at(values, i, j, index, shape):
+@join_at.register("Tuple", "Number", "Number", "Tensor", "Number", "Tuple")
+def _join_at(values, i, j, order, numel, shape):
     """``values[i]``, or for a split parameter (``j >= 0``) the full tensor joined from its own shard
-    ``values[i]`` and its rest ``values[j]`` (a gradient pair, or the pair itself) by ``index``, in ``shape``."""
+    ``values[i]`` and its rest ``values[j]`` (a gradient pair, or the pair itself) by the row ``order``, in
+    ``shape`` (``numel`` elements)."""
     if j < 0:
         return values[i]
-    return join_split(values[i], values[j], index).reshape(shape)
+    return join_split(values[i], values[j], order, numel).reshape(shape)
 
 
 @ema_update.register("Tensor", "Tensor", "Tensor")

@@ -13,7 +13,8 @@ two Parameters that together hold each element once:
 
 Every Cell that reads the parameter reads the pair through a property (the stage-3 technique,
 :mod:`mindzero.engine.stage3`): :class:`SplitRead` joins ``own`` and ``rest`` by one gather with a constant index
-(:func:`mindzero.comm.layout.join_split`: the same graph on every rank, see there) and reshapes, with no
+(:func:`mindzero.comm.layout.join_split`: the same graph on every rank, see there; its constant is the order of
+``op_size`` rows, not an index per element) and reshapes, with no
 communication. The joined value is not recomputed in backward (marking it lowered no peak in MindSpore 2.10 and
 made a step without the write-back die with SIGSEGV), so a joined weight lives from its forward use to its
 backward one, as a gathered weight does in MindSpore's own optimizer parallelism. The train step joins the two
@@ -31,7 +32,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from ..comm.layout import join_split
 from ..core.checksum import crc32_array
-from ..core.plan import ShardSpec, split_indices, splits_evenly
+from ..core.plan import ShardSpec, split_rows, splits_evenly
 from .materialize import full_array
 from .stage3 import compute_dtype, reading_subclass
 
@@ -48,7 +49,8 @@ class SplitRead(nn.Cell):
 
     def __init__(self, spec: ShardSpec, dtype=None):
         super().__init__(auto_prefix=False)
-        self.index = Tensor(split_indices(spec)[0])
+        self.order = Tensor(split_rows(spec)[0])
+        self.numel = spec.numel
         self.shape = tuple(spec.shape)
         self.compute_dtype = dtype
 
@@ -57,7 +59,7 @@ class SplitRead(nn.Cell):
         return tuple(spec.shape), spec.padding, spec.offset, dtype
 
     def rebuild(self, own, rest):
-        full = join_split(own, rest, self.index).reshape(self.shape)
+        full = join_split(own, rest, self.order, self.numel).reshape(self.shape)
         if self.compute_dtype is not None and full.dtype != self.compute_dtype:
             full = ops.cast(full, self.compute_dtype)
         return full
@@ -112,16 +114,18 @@ def own_and_rest(param, spec: ShardSpec, digests=None) -> tuple:
 
 def split_array(full, spec: ShardSpec) -> tuple:
     """``(own, rest)`` of a full value (any shape) per ``spec``: the numpy twin of the train step's write-back,
-    by the same indices (:func:`mindzero.core.plan.split_indices`)."""
+    by the same rows (:func:`mindzero.core.plan.split_rows`)."""
     flat = np.zeros(spec.numel + spec.padding, dtype=full.dtype)
     flat[:spec.numel] = np.ascontiguousarray(full).reshape(-1)
-    return flat[spec.offset:spec.offset + spec.shard_size].copy(), flat[split_indices(spec)[1]]
+    rows = flat.reshape(spec.op_size, -1)
+    return rows[spec.op_rank].copy(), rows[split_rows(spec)[1]].reshape(-1)
 
 
 def joined_array(own, rest, spec: ShardSpec) -> np.ndarray:
     """The full value (the parameter's shape) of a split pair's arrays: the numpy twin of
-    :func:`mindzero.comm.layout.join_split`, by the same index."""
-    return np.concatenate((own, rest))[split_indices(spec)[0]].reshape(spec.shape)
+    :func:`mindzero.comm.layout.join_split`, by the same rows."""
+    rows = np.concatenate((own, rest)).reshape(spec.op_size, -1)
+    return rows[split_rows(spec)[0]].reshape(-1)[:spec.numel].reshape(spec.shape)
 
 
 def split_network_parameters(network: nn.Cell, specs: dict, names, digests: dict) -> dict:

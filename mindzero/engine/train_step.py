@@ -41,7 +41,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from ..comm.cells import (AllGather, AllReduceSum, AnyRank, Bucket, FusedAllGather, FusedAllReduceSum,
                           FusedReduceScatterSum, ReduceScatterSum)
-from ..core.plan import split_indices
+from ..core.plan import split_rows
 from ..core.state import REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
 from ..core.topology import World
 from ..core.host import release_host_memory
@@ -139,7 +139,7 @@ class GatherInto(nn.Cell):
         self.gathers = (self.gather,) * len(units)  # mapped with the units (see mindzero.engine.kernels)
         # per pair: split (its rest takes every gathered position but this rank's shard), or full
         self.splits = tuple(bool(p.split) for p in pairs)
-        self.indices = tuple(Tensor(split_indices(spec)[1]) if p.split else NO_INDEX for p, spec in zip(pairs, specs))
+        self.indices = tuple(Tensor(split_rows(spec)[1]) if p.split else NO_INDEX for p, spec in zip(pairs, specs))
 
     def construct(self, fulls, shards, after):
         """Gather after ``after``; returns ``after`` made to depend on every write."""
@@ -248,11 +248,12 @@ class ZeroTrainOneStepCell(nn.Cell):
         splits = [(i, ps) for i, ps in enumerate(state.params) if ps.master is not None and ps.master.split]
         self.has_split = bool(splits)
         self.weights = ParameterTuple(state.weights + [ps.master.held for _, ps in splits])
-        rest_at, indices, shapes = [-1] * n, [NO_INDEX] * n, [()] * n
+        rest_at, orders, numels, shapes = [-1] * n, [NO_INDEX] * n, [0] * n, [()] * n
         for k, (i, ps) in enumerate(splits):
-            rest_at[i], indices[i], shapes[i] = n + k, Tensor(split_indices(ps.spec)[0]), tuple(ps.spec.shape)
-        self.positions, self.rest_at, self.join_indices, self.shapes = (tuple(range(n)), tuple(rest_at),
-                                                                         tuple(indices), tuple(shapes))
+            rest_at[i], orders[i] = n + k, Tensor(split_rows(ps.spec)[0])
+            numels[i], shapes[i] = ps.spec.numel, tuple(ps.spec.shape)
+        self.positions, self.rest_at, self.join_orders = tuple(range(n)), tuple(rest_at), tuple(orders)
+        self.numels, self.shapes = tuple(numels), tuple(shapes)
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
         self.micro = Reduction(n, state.micro, world)  # stage 2's reduce-scatter of each micro-step's gradients
         # the reductions at the accumulation boundary; mixed precision widens to fp32 (the optimizer's masters)
@@ -350,7 +351,8 @@ class ZeroTrainOneStepCell(nn.Cell):
     def _joined(self, values):
         """Per optimized parameter (optimizer order): ``values[i]``, or for a split one the full tensor joined
         from its own shard's and its rest's entries of ``values`` (gradients, or the weights themselves)."""
-        return MAP(ops.partial(join_at, values), self.positions, self.rest_at, self.join_indices, self.shapes)
+        return MAP(ops.partial(join_at, values), self.positions, self.rest_at, self.join_orders, self.numels,
+                   self.shapes)
 
     def _update(self, grads, after):
         """The optimizer step; then the masters are written back (:class:`WriteBack`): stages 1-2 all-gather

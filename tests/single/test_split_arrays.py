@@ -3,7 +3,7 @@ shard and the rest, and joined back, by the indices the train step's graph uses.
 import numpy as np
 import pytest
 
-from mindzero.core.plan import ParamInfo, PartitionPlan, shard_array, split_indices, splits_evenly
+from mindzero.core.plan import ParamInfo, PartitionPlan, shard_array, split_rows, splits_evenly
 from mindzero.engine.split import joined_array, split_array
 
 
@@ -18,7 +18,9 @@ def test_split_then_join_is_the_full_value(shape, n):
             continue
         own, rest = split_array(full, spec)
         np.testing.assert_array_equal(own, shard_array(full, spec))  # the shard is the plan's
-        assert rest.size == spec.shard_size * (n - 1) and split_indices(spec)[1].size == rest.size
+        order, rows = split_rows(spec)
+        assert rest.size == spec.shard_size * (n - 1) and rows.size == n - 1 and order.size == n  # a few bytes
+        assert sorted(order.tolist()) == list(range(n)) and order[rank] == 0
         np.testing.assert_array_equal(joined_array(own, rest, spec), full)
         pieces.append(own)
     if pieces:  # the ranks' shards, in order, are the padded parameter
