@@ -12,7 +12,7 @@ two Parameters that together hold each element once:
   after each update.
 
 Every Cell that reads the parameter reads the pair through a property (the stage-3 technique,
-:mod:`mindzero.engine.stage3`): :class:`SplitRead` joins ``own`` and ``rest`` by one gather with a constant index
+:mod:`mindzero.engine.stage3`): :class:`SplitRead` joins ``own`` and ``rest`` by one gather with a constant row order
 (:func:`mindzero.comm.layout.join_split`: the same graph on every rank, see there; its constant is the order of
 ``op_size`` rows, not an index per element) and reshapes, with no
 communication. The joined value is not recomputed in backward (marking it lowered no peak in MindSpore 2.10 and
