@@ -98,7 +98,8 @@ UNITS = [Scenario("units-gpt-3", "gpt", "sgd_decay", 3, {"gather_units": "block"
 
 #: stage 3's persistence threshold (stage3_param_persistence_threshold): the TinyGPT's biases and norms (16 and 48
 #: elements; its weights and tables have 128 or more) kept whole and all-reduced in one fused call. Each row trains
-#: bit for bit as its ``reference`` (on CPU a reduce-scatter is an all-reduce and a slice: the same sums); below
+#: bit for bit as its ``reference`` (on CPU a reduce-scatter is an all-reduce and a slice: the same sums; under
+#: hybrid sharding, ``persist-h3``, the sharded sums run in another order: 1 ulp, test_hybrid.py); below
 #: stage 3 the option changes nothing. ``persist-clip-3``: the mixed net's clipped run, whose global norm adds the
 #: persistent gradients' squares once beside the shards' (another order of the same sum: held to the parity bar).
 PERSIST = {"stage3_param_persistence_threshold": 100}
