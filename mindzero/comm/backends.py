@@ -35,7 +35,7 @@ from mindspore import Tensor, nn, ops
 
 from ..core.topology import COLLECTIVES, EMULATED, SINGLE, SUBSTITUTE, World
 from .emulation import FusedSumThenSlice, GatherRows, Identity, SlotSum, SumThenSlice
-from .layout import MAP, as_rows, own_shard
+from .layout import MAP, as_rows, own_shard, pieces
 from .quantize import QuantizedGather
 from .shard_gather import (GradientPort, UnitGather, gradient_attrs, make_shard_gather, reduce_scatter_bprop,
                            sum_then_slice_bprop, sum_then_slice_gather)
@@ -291,11 +291,11 @@ class FusedRowsReduceScatter(nn.Cell):
         self.single = single
 
     def construct(self, tensors, bucket):
-        numels, paddings, shard_sizes, offsets = bucket
+        numels, paddings, shard_sizes, offsets, shard_offsets = bucket
         if len(tensors) == 1:
             return (self.single(tensors[0].reshape((-1,)), paddings[0]),)
         rows = MAP(ops.partial(as_rows, self.op_size), tensors, paddings)
         mine = self.reduce_scatter(ops.concat(rows, 1).reshape((-1,)))
         if self.has_dp:
             mine = self.dp_sum(mine)
-        return ops.split(mine, shard_sizes)
+        return pieces(mine, 0, shard_offsets, shard_sizes)

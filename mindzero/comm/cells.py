@@ -10,7 +10,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from ..core.topology import World
-from .layout import MAP, flat_concat, flatten, reshape_as
+from .layout import MAP, flat_concat, pieces, reshape_as
 from .backends import backend_of
 
 
@@ -65,7 +65,8 @@ class AnyRank(nn.Cell):
 
 class Bucket:
     """The constants of one ``comm_fusion`` bucket (or of one tensor without fusion), as graph-mode
-    arguments: per member its full element count, padding, shard size, and offset in the concatenation."""
+    arguments: per member its full element count, padding, shard size, offset in the concatenation of full tensors
+    and offset in the concatenation of shards."""
 
     @staticmethod
     def of(specs) -> tuple:
@@ -73,7 +74,8 @@ class Bucket:
         paddings = tuple(int(s.padding) for s in specs)
         shard_sizes = tuple(int(s.shard_size) for s in specs)
         offsets = tuple(sum(numels[:i]) for i in range(len(numels)))
-        return numels, paddings, shard_sizes, offsets
+        shard_offsets = tuple(sum(shard_sizes[:i]) for i in range(len(shard_sizes)))
+        return numels, paddings, shard_sizes, offsets, shard_offsets
 
 
 class FusedReduceScatterSum(nn.Cell):
@@ -101,8 +103,7 @@ class FusedAllReduceSum(nn.Cell):
     def construct(self, tensors, bucket):
         if len(tensors) == 1:
             return (self.sum(tensors[0]),)
-        parts = ops.split(self.sum(flat_concat(tensors)), bucket[0])
-        return MAP(reshape_as, parts, tensors)
+        return MAP(reshape_as, pieces(self.sum(flat_concat(tensors)), 0, bucket[3], bucket[0]), tensors)
 
 
 class FusedAllGather(nn.Cell):
@@ -120,7 +121,7 @@ class FusedAllGather(nn.Cell):
         if len(shards) == 1:
             return (self.gather(shards[0]),)
         rows = self.gather(flat_concat(shards)).reshape((self.op_size, -1))
-        return MAP(flatten, ops.split(rows, bucket[2], 1))
+        return pieces(rows, 1, bucket[4], bucket[2])
 
 
 def shard_gather(world: World, numel: int, padding: int, reduce_dtype=None):

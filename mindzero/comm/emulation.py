@@ -68,7 +68,7 @@ class FusedSumThenSlice(nn.Cell):
         self.total, self.has_total, self.op_rank, self.op_size = total, total is not None, op_rank, op_size
 
     def construct(self, tensors, bucket):
-        numels, paddings, shard_sizes, offsets = bucket
+        numels, paddings, shard_sizes, offsets, _ = bucket
         if len(tensors) == 1:
             return (self.single(tensors[0].reshape((-1,)), paddings[0]),)
         flat = flat_concat(tensors)

@@ -34,6 +34,7 @@ item = ops.MultitypeFuncGraph("mindzero_item")
 own_part = ops.MultitypeFuncGraph("mindzero_own_part")
 as_rows = ops.MultitypeFuncGraph("mindzero_as_rows")
 reshape_as = ops.MultitypeFuncGraph("mindzero_reshape_as")
+piece = ops.MultitypeFuncGraph("mindzero_piece")
 
 
 @flatten.register("Tensor")
@@ -60,10 +61,25 @@ def _as_rows(op_size, x, padding):
     return own_shard(x.reshape((-1,)), padding, 0, 1).reshape((op_size, -1))
 
 
+@piece.register("Tensor", "Number", "Number", "Number")
+def _piece(x, axis, offset, size):
+    """``x[offset:offset + size]`` along ``axis`` (0 or 1), flat: one member of a fused bucket's concatenation.
+    Mapped over the members (``ops.split`` with many sections unrolled recursively in MindSpore 2.10's graph
+    mode: a bucket of 115 tensors passed its call-depth limit of 1000)."""
+    part = x[offset:offset + size] if axis == 0 else x[:, offset:offset + size]
+    return part.reshape((-1,))
+
+
 @reshape_as.register("Tensor", "Tensor")
 def _reshape_as(part, like):
     """``part`` in ``like``'s shape."""
     return part.reshape(like.shape)
+
+
+def pieces(x, axis: int, offsets, sizes):
+    """``x`` cut along ``axis`` into the pieces ``[offsets[i], offsets[i] + sizes[i])`` (tuples of ints), each
+    flat."""
+    return MAP(ops.partial(piece, x, axis), offsets, sizes)
 
 
 def pick(values, positions):
