@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 import zero_bench  # noqa: E402
 from mindzero.launch.link import parse_rate  # noqa: E402
-from zero_bench_worker import MODEL_DEFAULTS  # noqa: E402
+from zero_bench_worker import add_model_args, model_args  # noqa: E402
 
 
 def rate_bits(rate: str):
@@ -85,8 +85,7 @@ def main(argv=None):
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--persistence", type=int, default=100_000, help="the threshold of the 'p' configurations")
-    for name, value in MODEL_DEFAULTS.items():
-        ap.add_argument(f"--{name}", type=int, default=value)
+    add_model_args(ap)
     a = ap.parse_args(argv)
     rates = a.rates.split(",")
     for r in rates:
@@ -97,7 +96,7 @@ def main(argv=None):
         configs.insert(0, "dp")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    model = [x for name in MODEL_DEFAULTS for x in (f"--{name}", str(getattr(a, name)))]
+    model = model_args(a)
     results, meta = {}, None
     for r in rates:
         args = ["--worlds", a.worlds, "--configs", ",".join(configs), "--steps", str(a.steps),
