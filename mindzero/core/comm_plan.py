@@ -63,9 +63,9 @@ def buckets(nbytes, keys, bucket_bytes) -> list:
     return out
 
 
-def spec_buckets(specs, fusion: FusionConfig, kind: str) -> list:
-    """:func:`buckets` of ``specs`` (full-tensor bytes, dtype) for the fusion ``kind``."""
-    return buckets([s.numel * s.itemsize for s in specs], [s.dtype for s in specs], fusion.bucket_bytes(kind))
+def spec_buckets(specs, bucket_bytes) -> list:
+    """:func:`buckets` of ``specs`` (full-tensor bytes, dtype) of at most ``bucket_bytes`` (``None``: one each)."""
+    return buckets([s.numel * s.itemsize for s in specs], [s.dtype for s in specs], bucket_bytes)
 
 
 def reduce_scatter_calls(specs, world: World, phase: str) -> list:
@@ -120,10 +120,9 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig) -> tuple:
     """
     def units(positions, kind, fusion_kind, held=False, relative=False, bucket_bytes=None):
         specs = [params[i].spec if held else params[i].reduce_spec for i in positions]
-        groups = (spec_buckets(specs, fusion, fusion_kind) if bucket_bytes is None else
-                  buckets([s.numel * s.itemsize for s in specs], [s.dtype for s in specs], bucket_bytes))
+        size = fusion.bucket_bytes(fusion_kind) if bucket_bytes is None else bucket_bytes
         return tuple(CommBucket(tuple(j if relative else positions[j] for j in b), kind, tuple(specs[j] for j in b))
-                     for b in groups)
+                     for b in spec_buckets(specs, size))
 
     sharded = [i for i, p in enumerate(params) if p.sharded]
     master_shards = policy.shard_optimizer_states and not policy.shard_parameters  # stages 1-2
@@ -134,7 +133,7 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig) -> tuple:
         boundary = units(sharded, REDUCE_SCATTER, "reduce_scatter")
     replicated = [i for i, p in enumerate(params) if not p.sharded]
     persistent = [i for i in replicated if params[i].spec.reason == REASON_PERSISTENT]
-    boundary += units([i for i in replicated if i not in persistent], ALL_REDUCE, "allreduce")
+    boundary += units([i for i in replicated if params[i].spec.reason != REASON_PERSISTENT], ALL_REDUCE, "allreduce")
     boundary += units(persistent, ALL_REDUCE, "allreduce",
                       bucket_bytes=fusion.bucket_bytes("allreduce") or PERSISTENT_BUCKET_BYTES)
     if master_shards:

@@ -307,6 +307,11 @@ class Stage3Policy:
             if value is not None and not isinstance(value, cls):
                 raise ValueError(f"{name} must be None or a {cls.__name__}, got {value!r}")
 
+    def persist_below(self, zero_stage) -> int:
+        """Elements below which the plan keeps a parameter whole at ``zero_stage``: the persistence threshold at
+        stage 3, 0 below it (:meth:`mindzero.core.plan.PartitionPlan.build`)."""
+        return self.persistence_threshold if stage_policy(zero_stage).shard_parameters else 0
+
     def check_stage(self, zero_stage) -> None:
         """Refuse the stage-3-only options below stage 3.
 
@@ -388,9 +393,8 @@ class ZeroConfig:
 
     @property
     def persist_below(self) -> int:
-        """Elements below which the plan keeps a parameter whole: stage 3's persistence threshold, 0 below
-        stage 3 (:meth:`mindzero.core.plan.PartitionPlan.build`)."""
-        return self.stage3.persistence_threshold if self.policy.shard_parameters else 0
+        """Elements below which the plan keeps a parameter whole (:meth:`Stage3Policy.persist_below`)."""
+        return self.stage3.persist_below(self.zero_stage)
 
     @staticmethod
     def from_arguments(arguments: dict) -> "ZeroConfig":

@@ -116,8 +116,7 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
     quant = GatherQuantization.parse(gather_quantization)
     stage3 = Stage3Policy(quantization=quant, persistence_threshold=stage3_param_persistence_threshold)
     stage3.check_stage(zero_stage)
-    plan = PartitionPlan.build(infos, op_size, 0,
-                               persist_below=stage3.persistence_threshold if policy.shard_parameters else 0)
+    plan = PartitionPlan.build(infos, op_size, 0, persist_below=stage3.persist_below(zero_stage))
     out = expected_bytes(plan, policy, OPTIMIZER_STATES[key], gradient_accumulation, precision=precision, quant=quant)
     out["total"] = sum(out[k] for k in KINDS)
     phi = sum(math.prod(i.shape) for i in infos if i.optimized)

@@ -29,7 +29,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -142,7 +141,7 @@ class LinkNamespace:
     """A private network namespace with a shaped loopback, alive until :meth:`close`: :meth:`wrap` makes a
     command run inside it; :meth:`counters` reads the bytes and packets its loopback carried."""
 
-    def __init__(self, shape: LinkShape, timeout: float = 30.0):
+    def __init__(self, shape: LinkShape):
         self.shape = shape
         self.userns = os.geteuid() != 0
         self.holder = subprocess.Popen(["unshare", *_unshare_flags(), "sh", "-c", _setup_script(shape)],
@@ -154,7 +153,6 @@ class LinkNamespace:
             self.close()
             raise LinkUnavailable(f"the shaped link's namespace did not start ({err.strip() or line!r}); "
                                   "check_link_support() says why")
-        self.started = time.time()
 
     def wrap(self, cmd: list) -> list:
         """``cmd`` run inside the namespace (``nsenter`` execs it: the same process, the same pid)."""
