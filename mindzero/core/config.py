@@ -281,6 +281,11 @@ class GroupPolicy:
                              f"{getattr(self, named[0])!r} too: give one of them")
 
 
+#: stage 3 keeps its small parameters whole up to this share of the model's elements in all, unless
+#: ``stage3_model_persistence_threshold`` gives the cap
+DEFAULT_PERSISTENCE_SHARE = 0.01
+
+
 @dataclass(frozen=True)
 class Stage3Policy:
     """Stage 3's options, and the two rules they follow, checked here once: ``regather`` (graph mode: gather
@@ -288,29 +293,39 @@ class Stage3Policy:
     shard the parameters the optimizer does not update), ``quantization`` (int8 weight gathers,
     :mod:`mindzero.core.quant`), ``units`` (parameters sharing one all-gather, :mod:`mindzero.core.units`) and
     ``persistence_threshold`` (parameters of fewer elements are kept whole: no gather, one fused all-reduce of
-    their gradients; DeepSpeed's ``stage3_param_persistence_threshold``; below stage 3 it changes nothing, as
-    there). ``quantization`` and ``units`` need ``zero_stage=3`` (:meth:`check_stage`); ``units`` needs graph
+    their gradients; DeepSpeed's ``stage3_param_persistence_threshold``, 1e5 by default as there; below stage 3
+    it changes nothing, as there) and ``model_persistence_threshold`` (the most elements kept whole in all,
+    smallest parameters first; DeepSpeed's ``stage3_model_persistence_threshold``; ``None``: 1% of the
+    model's elements, so that a small model, all of whose tensors are below the threshold, is still sharded). ``quantization`` and ``units`` need ``zero_stage=3`` (:meth:`check_stage`); ``units`` needs graph
     mode and ``regather`` applies in graph mode only (:meth:`for_mode`)."""
 
     regather: bool = True
     shard_frozen: bool = True
     quantization: Optional[GatherQuantization] = None
     units: Optional[GatherUnits] = None
-    persistence_threshold: int = 0
+    persistence_threshold: int = 100_000
+    model_persistence_threshold: Optional[int] = None
 
     def __post_init__(self):
         require_bool("stage3_regather", self.regather)
         require_bool("shard_frozen", self.shard_frozen)
         require_int("stage3_param_persistence_threshold", self.persistence_threshold, 0)
+        if self.model_persistence_threshold is not None:
+            require_int("stage3_model_persistence_threshold", self.model_persistence_threshold, 0)
         for name, value, cls in (("gather_quantization", self.quantization, GatherQuantization),
                                  ("gather_units", self.units, GatherUnits)):
             if value is not None and not isinstance(value, cls):
                 raise ValueError(f"{name} must be None or a {cls.__name__}, got {value!r}")
 
-    def persist_below(self, zero_stage) -> int:
-        """Elements below which the plan keeps a parameter whole at ``zero_stage``: the persistence threshold at
-        stage 3, 0 below it (:meth:`mindzero.core.plan.PartitionPlan.build`)."""
-        return self.persistence_threshold if stage_policy(zero_stage).shard_parameters else 0
+    def persistence(self, zero_stage) -> dict:
+        """The keyword arguments of :meth:`mindzero.core.plan.PartitionPlan.build` that keep parameters whole at
+        ``zero_stage``: ``persist_below`` (the threshold at stage 3, 0 below it) and ``persist_share`` or
+        ``persist_total`` (the cap in all)."""
+        if not stage_policy(zero_stage).shard_parameters:
+            return {"persist_below": 0}
+        if self.model_persistence_threshold is None:
+            return {"persist_below": self.persistence_threshold, "persist_share": DEFAULT_PERSISTENCE_SHARE}
+        return {"persist_below": self.persistence_threshold, "persist_total": self.model_persistence_threshold}
 
     def check_stage(self, zero_stage) -> None:
         """Refuse the stage-3-only options below stage 3.
@@ -341,7 +356,8 @@ class Stage3Policy:
         if self.units is not None:
             raise ValueError(f"gather_units={self.units.as_setting()!r} needs GRAPH_MODE: PyNative runs every read's "
                              "gather separately, so each would all-gather its whole unit; pass gather_units=None")
-        return Stage3Policy(False, self.shard_frozen, self.quantization, None, self.persistence_threshold)
+        return Stage3Policy(False, self.shard_frozen, self.quantization, None, self.persistence_threshold,
+                            self.model_persistence_threshold)
 
 
 @dataclass(frozen=True)
@@ -392,9 +408,9 @@ class ZeroConfig:
         return stage_policy(self.zero_stage)
 
     @property
-    def persist_below(self) -> int:
-        """Elements below which the plan keeps a parameter whole (:meth:`Stage3Policy.persist_below`)."""
-        return self.stage3.persist_below(self.zero_stage)
+    def persistence(self) -> dict:
+        """Which parameters the plan keeps whole (:meth:`Stage3Policy.persistence`)."""
+        return self.stage3.persistence(self.zero_stage)
 
     @staticmethod
     def from_arguments(arguments: dict) -> "ZeroConfig":
@@ -422,7 +438,8 @@ class ZeroConfig:
                           stage3=Stage3Policy(a["stage3_regather"], a["shard_frozen"],
                                               GatherQuantization.parse(a["gather_quantization"]),
                                               GatherUnits.parse(a["gather_units"]),
-                                              a["stage3_param_persistence_threshold"]))
+                                              a["stage3_param_persistence_threshold"],
+                                              a["stage3_model_persistence_threshold"]))
 
 
 def check_option(key: str, value) -> None:

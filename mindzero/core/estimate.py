@@ -34,6 +34,7 @@ from .config import MixedPrecision, Stage3Policy, stage_policy
 from .memory import KINDS, expected_bytes
 from .checks import is_int, require_int
 from .introspect import param_infos
+from .options import ARGUMENT_DEFAULTS
 from .plan import ParamInfo, PartitionPlan
 from .quant import GatherQuantization
 
@@ -80,7 +81,9 @@ def _param_infos(network_or_param_shapes, precision: MixedPrecision):
 
 def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, optimizer: str = "adamw",
                     gradient_accumulation: bool = True, param_dtype=None,
-                    reduce_dtype=None, gather_quantization=None, stage3_param_persistence_threshold=0) -> dict:
+                    reduce_dtype=None, gather_quantization=None,
+                    stage3_param_persistence_threshold=ARGUMENT_DEFAULTS["stage3_param_persistence_threshold"],
+                    stage3_model_persistence_threshold=None) -> dict:
     """Bytes per rank by kind that ``prepare_train_network`` will allocate, and the paper's formula.
 
     Args:
@@ -94,8 +97,9 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
             moments).
         gather_quantization: stage 3's option of ``prepare_train_network``: adds ``quantization_buffers``
             (the int8 payloads of this rank's shards kept from forward to backward; transient, not in ``total``).
-        stage3_param_persistence_threshold: stage 3's option of ``prepare_train_network``: parameters of fewer
-            elements are counted whole (parameter, gradient, optimizer states) on every rank.
+        stage3_param_persistence_threshold, stage3_model_persistence_threshold: stage 3's options of
+            ``prepare_train_network``: parameters of fewer elements (up to the cap in all) are counted whole
+            (parameter, gradient, optimizer states) on every rank.
 
     Returns:
         ``{"parameters", "gradients", "optimizer_states", "total": int, "phi": int,
@@ -114,9 +118,10 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
     precision = MixedPrecision.parse(param_dtype, reduce_dtype)
     infos = _param_infos(network_or_param_shapes, precision)
     quant = GatherQuantization.parse(gather_quantization)
-    stage3 = Stage3Policy(quantization=quant, persistence_threshold=stage3_param_persistence_threshold)
+    stage3 = Stage3Policy(quantization=quant, persistence_threshold=stage3_param_persistence_threshold,
+                          model_persistence_threshold=stage3_model_persistence_threshold)
     stage3.check_stage(zero_stage)
-    plan = PartitionPlan.build(infos, op_size, 0, persist_below=stage3.persist_below(zero_stage))
+    plan = PartitionPlan.build(infos, op_size, 0, **stage3.persistence(zero_stage))
     out = expected_bytes(plan, policy, OPTIMIZER_STATES[key], gradient_accumulation, precision=precision, quant=quant)
     out["total"] = sum(out[k] for k in KINDS)
     phi = sum(math.prod(i.shape) for i in infos if i.optimized)
@@ -157,8 +162,13 @@ def main(argv=None) -> int:
     ap.add_argument("--mixed-precision", action="store_true", help="param_dtype=float16: fp16 parameters and gradients, fp32 masters "
                     "and moments (the paper's mixed-precision setting)")
     ap.add_argument("--no-accumulation", action="store_true", help="no persistent gradient buffers")
-    ap.add_argument("--persistence-threshold", type=int, default=0, metavar="ELEMENTS",
-                    help="stage 3: parameters of fewer elements kept whole (stage3_param_persistence_threshold)")
+    ap.add_argument("--persistence-threshold", type=int, metavar="ELEMENTS",
+                    default=ARGUMENT_DEFAULTS["stage3_param_persistence_threshold"],
+                    help="stage 3: parameters of fewer elements kept whole (stage3_param_persistence_threshold; "
+                    "default %(default)s, 0: shard every parameter)")
+    ap.add_argument("--model-persistence-threshold", type=int, metavar="ELEMENTS",
+                    help="stage 3: the most elements kept whole in all (stage3_model_persistence_threshold; "
+                    "default: 1%% of the model's elements)")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     a = ap.parse_args(argv)
     shapes = [a.params] if a.params is not None else json.loads(open(a.shapes).read())
@@ -173,7 +183,8 @@ def main(argv=None) -> int:
         for stage in (int(x) for x in a.stages.split(",")):
             e = estimate_memory(shapes, stage, n, a.optimizer, not a.no_accumulation,
                                 "float16" if a.mixed_precision else None,
-                                stage3_param_persistence_threshold=a.persistence_threshold)
+                                stage3_param_persistence_threshold=a.persistence_threshold,
+                                stage3_model_persistence_threshold=a.model_persistence_threshold)
             rows.append({k: e[k] for k in ("stage", "op_size", "phi", "total", *KINDS)} | {"formula": e["formula"]})
             print(f"| {stage} | {n} | {e['parameters'] / mib:.1f} | {e['gradients'] / mib:.1f} | "
                   f"{e['optimizer_states'] / mib:.1f} | {e['total'] / mib:.1f} | {e['formula']['total'] / mib:.1f} | "

@@ -45,7 +45,10 @@ OPTIONS = (
     Option("shard_frozen", True, "a bool (stage 3)"),
     Option("gather_quantization", None, "`None`, `\"int8\"` or `{kind, block_size, min_numel, exclude}` (stage 3)"),
     Option("gather_units", None, "`None`, bytes per unit, or Cell-name patterns (stage 3, graph mode)"),
-    Option("stage3_param_persistence_threshold", 0, "an int >= 0: parameters of fewer elements are kept whole (stage 3)"),
+    Option("stage3_param_persistence_threshold", 100_000,
+           "an int >= 0: parameters of fewer elements are kept whole (stage 3; 0: shard every parameter)"),
+    Option("stage3_model_persistence_threshold", None,
+           "`None` (1% of the model's elements) or an int >= 0: the most elements kept whole in all (stage 3)"),
     Option("hybrid_shard_size", None, "`None` or an int >= 1: ranks per op group", argument=False),
 )
 #: option name -> default

@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional
 
 from .checks import is_int, require_int
 
@@ -225,6 +225,40 @@ class ParamInfo:
     written: bool = False  # the network writes it (a buffer: never sharded)
 
 
+def _kept_whole_reason(p: ParamInfo, shard_frozen: bool) -> str:
+    """Why ``p`` is replicated whatever the persistence rule ("" if it may be sharded)."""
+    if not p.parallel_optimizer:
+        return REASON_USER
+    if not p.optimized and p.written:
+        return REASON_BUFFER
+    if not p.optimized and not shard_frozen:
+        return REASON_FROZEN
+    if math.prod(p.shape) == 0:
+        return REASON_EMPTY
+    return ""
+
+
+def _persistent_names(params: list, shard_frozen: bool, below: int, total: Optional[int],
+                      share: Optional[float]) -> set:
+    """The names of the shardable parameters of fewer than ``below`` elements, smallest first (ties in
+    parameter order) while their elements stay within ``total`` or ``share`` of all (no cap if both None)."""
+    if total is not None:
+        require_int("persist_total", total, 0)
+    if share is not None and not (isinstance(share, float) and 0.0 <= share <= 1.0):
+        raise ValueError(f"persist_share must be a float in [0, 1], got {share!r}")
+    small = sorted(((math.prod(p.shape), i, p.name) for i, p in enumerate(params)
+                    if not _kept_whole_reason(p, shard_frozen) and math.prod(p.shape) < below))
+    if total is None and share is not None:
+        total = int(share * sum(math.prod(p.shape) for p in params))
+    kept, used = set(), 0
+    for numel, _, name in small:
+        if total is not None and used + numel > total:
+            break
+        kept.add(name)
+        used += numel
+    return kept
+
+
 @dataclass(frozen=True)
 class PartitionPlan:
     """Every parameter's :class:`ShardSpec` for one rank of an op group.
@@ -239,17 +273,23 @@ class PartitionPlan:
 
     @staticmethod
     def build(params: Iterable[ParamInfo], op_size: int, op_rank: int, *, shard_frozen: bool = True,
-              persist_below: int = 0) -> "PartitionPlan":
+              persist_below: int = 0, persist_total: Optional[int] = None,
+              persist_share: Optional[float] = None) -> "PartitionPlan":
         """Shard every non-empty parameter that the user did not opt out and the network does not write, over
         an op group of ``op_size`` ranks, seen from ``op_rank``: the optimized ones, and the frozen ones unless
         ``shard_frozen`` is False; a parameter of fewer than ``persist_below`` elements is kept whole
-        (:data:`REASON_PERSISTENT`; stage 3's ``stage3_param_persistence_threshold``, 0 for the other stages).
+        (:data:`REASON_PERSISTENT`; stage 3's ``stage3_param_persistence_threshold``, 0 for the other stages),
+        smallest first (ties in parameter order) while the kept ones hold at most ``persist_total`` elements in
+        all, or ``persist_share`` of the non-empty parameters' elements (``None`` for both: no cap; stage 3's
+        ``stage3_model_persistence_threshold``). The same at any ``op_size``.
 
         Raises:
             ValueError: ``op_size`` < 1, ``op_rank`` outside ``[0, op_size)``, or a duplicate parameter name.
         """
         require_int("op_size", op_size, 1)
         require_int("persist_below", persist_below, 0)
+        params = list(params)
+        kept = _persistent_names(params, shard_frozen, persist_below, persist_total, persist_share)
         if not is_int(op_rank) or not 0 <= op_rank < op_size:
             raise ValueError(f"op_rank must be an int in [0, op_size={op_size}), got {op_rank!r}")
         specs, seen = [], set()
@@ -258,17 +298,7 @@ class PartitionPlan:
                 raise ValueError(f"parameter names must be unique, got {p.name!r} twice")
             seen.add(p.name)
             shape = tuple(int(d) for d in p.shape)
-            reason = ""
-            if not p.parallel_optimizer:
-                reason = REASON_USER
-            elif not p.optimized and p.written:
-                reason = REASON_BUFFER
-            elif not p.optimized and not shard_frozen:
-                reason = REASON_FROZEN
-            elif math.prod(shape) == 0:
-                reason = REASON_EMPTY
-            elif math.prod(shape) < persist_below:
-                reason = REASON_PERSISTENT
+            reason = _kept_whole_reason(p, shard_frozen) or (REASON_PERSISTENT if p.name in kept else "")
             specs.append(ShardSpec(p.name, shape, str(p.dtype), op_size, op_rank, not reason, reason, p.optimized))
         return PartitionPlan(op_size, op_rank, tuple(specs))
 

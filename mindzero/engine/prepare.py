@@ -28,7 +28,8 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
                           zero_stage=0, optimizer_offload=False, optimizer_parallel_group=None, dp_group=None,
                           comm_fusion=None, parallel_modules=None, stage3_regather=True, param_dtype=None,
                           reduce_dtype=None, shard_frozen=True, gather_quantization=None, gather_units=None,
-                          stage3_param_persistence_threshold=0, config=None):
+                          stage3_param_persistence_threshold=100_000,
+                          stage3_model_persistence_threshold=None, config=None):
     """Wrap ``network`` (which returns the loss) and ``optimizer`` into a ZeRO train step.
 
     Must be called on all ranks, with the same network and optimizer structure,
@@ -92,7 +93,10 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
         stage3_param_persistence_threshold: stage 3: parameters of fewer elements (biases, norms) are kept whole
             on every rank, as DeepSpeed's option of that name: no gather and no reduce-scatter each, their
             gradients all-reduced together in one fused call (``comm_fusion``'s allreduce bucket if set),
-            their optimizer states whole. ``0``: every parameter sharded. Below stage 3 it changes nothing.
+            their optimizer states whole. ``100_000`` (DeepSpeed's default): a transformer's biases, norms and
+            position tables; ``0``: every parameter sharded. Below stage 3 it changes nothing.
+        stage3_model_persistence_threshold: stage 3: the most elements kept whole in all (the smallest
+            parameters first), as DeepSpeed's option of that name; ``None``: 1% of the model's elements.
         parallel_modules: mindone's argument; not needed (stage 3 works for any Cell): a value raises
             ``NotImplementedError``.
         config: a settings file (YAML path) or mapping (:func:`mindzero.load_config`) holding any of the

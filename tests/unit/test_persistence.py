@@ -57,6 +57,8 @@ def test_the_105m_gpt_steps_with_fewer_collectives():
     got = summarize(calls)["total"]
     assert got["calls"] == 3 * (14 * 4 + 1) + 1 + 1 == 173  # 57 big weights, the fused all-reduce, the flag
     assert got["calls"] <= 0.6 * base["calls"]  # the issue's goal: at least 40% fewer
+    default = PartitionPlan.build(gpt_infos(), 4, 0, **ZeroConfig(3).persistence)  # the defaults: the same
+    assert [s.name for s in default.replicated] == [i.name for i in gpt_infos() if math.prod(i.shape) < 100_000]
     # bytes: the persistent parameters' gradients cross as an all-reduce (2(n-1)/n) instead of a gather, a
     # re-gather and a (CPU: all-reduce) reduce-scatter
     small = 4 * sum(math.prod(i.shape) for i in gpt_infos() if math.prod(i.shape) < 100_000)
@@ -77,17 +79,48 @@ def test_what_it_costs_in_memory():
     of 16/N; on the 105M GPT that is 0.14% of the parameters."""
     shapes = {i.name: i.shape for i in gpt_infos()}
     small = sum(math.prod(s) for s in shapes.values() if math.prod(s) < 100_000)
-    sharded = estimate_memory(shapes, 3, 4)
+    sharded = estimate_memory(shapes, 3, 4, stage3_param_persistence_threshold=0)
     kept = estimate_memory(shapes, 3, 4, stage3_param_persistence_threshold=100_000)
+    assert estimate_memory(shapes, 3, 4) == kept  # the default: DeepSpeed's 1e5, the 1% cap not reached
     extra = kept["total"] - sharded["total"]
     assert extra == pytest.approx(16 * small * 3 / 4, rel=0.01)
     assert extra / sharded["total"] < 0.01
-    assert estimate_memory(shapes, 2, 4, stage3_param_persistence_threshold=100_000) == estimate_memory(shapes, 2, 4)
+    assert estimate_memory(shapes, 2, 4, stage3_param_persistence_threshold=100_000) == \
+        estimate_memory(shapes, 2, 4, stage3_param_persistence_threshold=0)
+
+
+def test_the_cap_keeps_a_small_model_sharded():
+    """Every tensor of a small model is below 1e5 elements: the cap (1% of the model by default, DeepSpeed's
+    ``stage3_model_persistence_threshold`` when given) keeps the smallest whole, ties in parameter order, and
+    shards the rest; the choice is the same at any op group size."""
+    infos = [ParamInfo("w1", (64, 64)), ParamInfo("b1", (64,)), ParamInfo("w2", (64, 16)), ParamInfo("b2", (16,)),
+             ParamInfo("g", (16,)), ParamInfo("w3", (16, 64))]  # 6,240 elements: 1% is 62
+    default = ZeroConfig.from_arguments({"zero_stage": 3}).persistence
+    assert default == {"persist_below": 100_000, "persist_share": 0.01}
+    for n in (2, 4, 8):
+        plan = PartitionPlan.build(infos, n, 0, **default)
+        assert [s.name for s in plan.replicated] == ["b2", "g"]  # 16 + 16 <= 62; b1's 64 would pass it
+    capped = ZeroConfig.from_arguments({"zero_stage": 3, "stage3_model_persistence_threshold": 80}).persistence
+    assert [s.name for s in PartitionPlan.build(infos, 4, 0, **capped).replicated] == ["b2", "g"]  # 96 > 80
+    wide = ZeroConfig.from_arguments({"zero_stage": 3, "stage3_model_persistence_threshold": 96}).persistence
+    assert [s.name for s in PartitionPlan.build(infos, 4, 0, **wide).replicated] == ["b1", "b2", "g"]
+    assert not PartitionPlan.build(infos, 4, 0, persist_below=100_000, persist_total=0).replicated
+    assert len(PartitionPlan.build(infos, 4, 0, persist_below=100_000).replicated) == 6  # no cap: all whole
+    shapes = {i.name: i.shape for i in infos}
+    assert estimate_memory(shapes, 3, 4)["total"] == \
+        estimate_memory(shapes, 3, 4, stage3_param_persistence_threshold=17, stage3_model_persistence_threshold=32)["total"]
 
 
 def test_the_option_and_its_rules():
-    assert ZeroConfig.from_arguments({"zero_stage": 3, "stage3_param_persistence_threshold": 100}).persist_below == 100
-    assert ZeroConfig.from_arguments({"zero_stage": 2, "stage3_param_persistence_threshold": 100}).persist_below == 0
+    assert ZeroConfig.from_arguments({"zero_stage": 3, "stage3_param_persistence_threshold": 100}).persistence == \
+        {"persist_below": 100, "persist_share": 0.01}
+    assert ZeroConfig.from_arguments({"zero_stage": 2, "stage3_param_persistence_threshold": 100}).persistence == \
+        {"persist_below": 0}
+    assert ZeroConfig.from_arguments({"zero_stage": 3, "stage3_model_persistence_threshold": 5}).persistence == \
+        {"persist_below": 100_000, "persist_total": 5}
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(ValueError, match=f"stage3_model_persistence_threshold must be an int >= 0, got {bad!r}"):
+            ZeroConfig.from_arguments({"zero_stage": 3, "stage3_model_persistence_threshold": bad})
     for bad in (-1, 1.5, True, "1e5"):
         with pytest.raises(ValueError, match=f"stage3_param_persistence_threshold must be an int >= 0, got {bad!r}"):
             ZeroConfig.from_arguments({"zero_stage": 3, "stage3_param_persistence_threshold": bad})
