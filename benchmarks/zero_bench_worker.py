@@ -79,7 +79,9 @@ def parse_args():
                     "'3q': stage 3 with int8 weight gathers (gather_quantization='int8'), '3h': with gradients reduced "
                     "in fp16 (reduce_dtype=float16, loss scale 1024), '3qh': both; 'u' (e.g. '3u', '3quh'): one all-gather per "
                     "transformer block (gather_units='*blocks.*'); 'p' (e.g. '3p', '3qhp'): parameters below "
-                    "--persistence elements kept whole (stage3_param_persistence_threshold)")
+                    "--persistence elements kept whole (stage3_param_persistence_threshold; the model cap at its "
+                    "default, 1%% of the elements: mindzero's defaults with --persistence 100000); without 'p' "
+                    "every parameter is sharded (threshold 0)")
     ap.add_argument("--persistence", type=int, default=100_000, help="the threshold of a 'p' configuration")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=10, help="steps after the first")

@@ -25,8 +25,10 @@ def make(case: CheckpointCase):
     net = build(case.model)
     opt = make_optimizer(case.optimizer, net)
     wrapped = ms.amp.auto_mixed_precision(net, "O2") if case.param_dtype else net
+    keep = {} if case.persist is None else {"stage3_param_persistence_threshold": case.persist,
+                                            "stage3_model_persistence_threshold": 10 ** 12}
     return net, mindzero.prepare_train_network(wrapped, opt, zero_stage=case.stage, param_dtype=case.param_dtype,
-                                               stage3_param_persistence_threshold=case.persist)
+                                               **keep)
 
 
 def train_steps(train, cls, steps, world):

@@ -45,7 +45,8 @@ def count_collectives(world, out_dir):
             train = mindzero.prepare_train_network(net, make_optimizer("adam", net), zero_stage=stage,
                                                    gradient_accumulation_steps=2, clip_grad=True,
                                                    comm_fusion=fusion, param_dtype=param_dtype,
-                                                   stage3_param_persistence_threshold=keep)
+                                                   stage3_param_persistence_threshold=keep,
+                                                   stage3_model_persistence_threshold=10 ** 12 if keep else None)
             counted.clear()
             for m in range(2):
                 train(*batch(type(net), 0, world.world_rank, m, n=2))

@@ -102,7 +102,9 @@ UNITS = [Scenario("units-gpt-3", "gpt", "sgd_decay", 3, {"gather_units": "block"
 #: hybrid sharding, ``persist-h3``, the sharded sums run in another order: 1 ulp, test_hybrid.py); below
 #: stage 3 the option changes nothing. ``persist-clip-3``: the mixed net's clipped run, whose global norm adds the
 #: persistent gradients' squares once beside the shards' (another order of the same sum: held to the parity bar).
-PERSIST = {"stage3_param_persistence_threshold": 100}
+#: The cap in all (``stage3_model_persistence_threshold``, by default 1% of these small models) is lifted, so that
+#: every such tensor is kept; the other stage-3 rows run the defaults (the 1% cap keeps a few of the smallest).
+PERSIST = {"stage3_param_persistence_threshold": 100, "stage3_model_persistence_threshold": 10 ** 12}
 PERSISTS = [*(Scenario(f"persist-gpt-{stage}", "gpt", "sgd_decay", stage, PERSIST, reference=f"gpt-{stage}",
                        tier=DEFAULT if stage in (2, 3) else FULL) for stage in (0, 1, 2, 3)),
             Scenario("persist-clip-3", "mixed", "adamw_groups", 3, {**CLIP, **PERSIST}, reference="clip-3"),
@@ -238,7 +240,7 @@ class CheckpointCase:
     param_dtype: str = None
     async_save: bool = False
     optimizer: str = ""  # a name of tests.support.models.OPTIMIZERS; "": momentum for the resnet, else adamw
-    persist: int = 0  # stage3_param_persistence_threshold
+    persist: int = None  # stage3_param_persistence_threshold (the cap in all lifted); None: the defaults
 
     def __post_init__(self):
         if not self.optimizer:
