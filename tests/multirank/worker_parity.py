@@ -85,8 +85,9 @@ def count_unit_gathers(world, out_dir):
             ms.set_context(save_graphs=1, save_graphs_path=ir)
             try:
                 net = build("gpt")
+                # every parameter sharded (threshold 0), so that the block's unit holds all 12
                 train = mindzero.prepare_train_network(net, make_optimizer("sgd", net), zero_stage=3,
-                                                       gather_units=units)
+                                                       gather_units=units, stage3_param_persistence_threshold=0)
                 train(*batch(type(net), 0, world.world_rank, 0))
             finally:
                 ms.set_context(save_graphs=0)

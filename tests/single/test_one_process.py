@@ -147,7 +147,8 @@ def test_ema_accepts_mindone_style_object_and_rejects_bad_values():
 
 def test_stage3_network_holds_shards_and_property_reads_full():
     net = build("awkward")
-    step = mindzero.prepare_train_network(net, nn.Adam(net.trainable_params(), 1e-2), zero_stage=3)
+    step = mindzero.prepare_train_network(net, nn.Adam(net.trainable_params(), 1e-2), zero_stage=3,
+                                          stage3_param_persistence_threshold=0)  # every parameter a shard
     held = {p.name: tuple(p.shape) for p in net.get_parameters()}
     assert held["w1"] == (105,) and held["w2"] == (17 * 257,) and held["temp"] == (1,)
     assert tuple(net.w1.shape) == (7, 15)  # the property gathers the full value (identity all-gather here)

@@ -60,10 +60,12 @@ def released(kind: str, lazy: bool, stage: int, seed: int = 0) -> dict:
 
     Returns:
         ``{"params", "params_alive", "sharded", "sharded_alive", "masters", "split", "states", "states_alive",
+        "whole",
         "opt_bytes", "opt_shard_bytes"}``: ``sharded``: the parameters the plan shards (``sharded_alive`` of them
         still alive), ``masters``: the step's master copies (``zero_master.*``), ``split``: its split parameters;
         ``opt_bytes`` the bytes of every multi-element Parameter the optimizer holds after prepare,
-        ``opt_shard_bytes`` what its sharded parameters and states need (the plan's shard sizes).
+        ``opt_shard_bytes`` what its sharded parameters and states need (the plan's shard sizes); ``states``
+        counts the states of the parameters the plan shards, ``whole`` the trainable parameters it keeps whole.
     """
     ms.set_seed(seed)
     with mindzero.lazy_init() if lazy else contextlib.nullcontext():
@@ -71,10 +73,14 @@ def released(kind: str, lazy: bool, stage: int, seed: int = 0) -> dict:
         opt = RELEASE_OPTIMIZERS[kind](net.trainable_params())
     params = [weakref.ref(p) for p in net.trainable_params()]
     names = [p.name for p in net.trainable_params()]
-    states = [weakref.ref(p) for p in _big_optimizer_tensors(opt) if p.name not in {q().name for q in params}]
+    states = [(weakref.ref(p), p.name) for p in _big_optimizer_tensors(opt) if p.name not in {q().name for q in params}]
     train = mindzero.prepare_train_network(net, opt, zero_stage=stage)
     gc.collect()
     info = train.zero_info
+    # stage 3 keeps its smallest parameters whole (stage3_param_persistence_threshold, within the 1% cap): they and
+    # their states are the step's own, not replaced; every other state is
+    whole = {s.name for s in info.plan if not s.sharded}
+    states = [r for r, name in states if not any(name.endswith("." + w) for w in whole)]
     per_param = {ps.name: ps.spec for ps in info.params}
     n_states = len(info.state_attrs)
     shard_bytes = sum((s.shard_size if ps.sharded else s.numel) * 4 * (n_states + 1)
@@ -83,7 +89,7 @@ def released(kind: str, lazy: bool, stage: int, seed: int = 0) -> dict:
     result = dict(params=len(params), params_alive=sum(r() is not None for r in params), states=len(states),
                   sharded=len(sharded), sharded_alive=sum(r() is not None for r, n in zip(params, names) if n in sharded),
                   masters=sum(p.name.startswith("zero_master.") for p in train.get_parameters()),
-                  split=len(info.split_pairs),
+                  split=len(info.split_pairs), whole=sum(n not in sharded for n in names),
                   states_alive=sum(r() is not None for r in states),
                   opt_bytes=sum(int(p.nbytes) for p in _big_optimizer_tensors(opt)), opt_shard_bytes=shard_bytes)
     del train, net, opt
