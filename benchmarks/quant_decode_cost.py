@@ -45,18 +45,18 @@ def reset_peak() -> None:
 
 
 def kernels(ir_dir: str) -> Counter:
-    """Primitive kinds of the compiled graph's nodes, from the last ``*.ir`` MindSpore saved."""
-    files = sorted(Path(ir_dir).rglob("*.ir"), key=lambda p: p.stat().st_mtime)
-    got = Counter()
-    if not files:
-        return got
-    text = files[-1].read_text(errors="replace")
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("%") and "= PrimFunc_" in line or (line.startswith("%") and "= Prim" in line):
-            name = line.split("= ", 1)[1].split("(", 1)[0]
-            got[name.replace("PrimFunc_", "")] += 1
-    return got
+    """Primitive kinds of the graph's nodes, from the ``*.ir`` MindSpore saved with the most primitive nodes (the
+    saved stages differ in what they have inlined or folded; the largest is the one the kernels come from)."""
+    best = Counter()
+    for path in Path(ir_dir).rglob("*.ir"):
+        got = Counter()
+        for line in path.read_text(errors="replace").splitlines():
+            line = line.strip()
+            if line.startswith("%") and "= Prim" in line:
+                got[line.split("= ", 1)[1].split("(", 1)[0].replace("PrimFunc_", "")] += 1
+        if sum(got.values()) > sum(best.values()):
+            best = got
+    return best
 
 
 def one(wire: str, weights: int, rows: int, cols: int) -> dict:
