@@ -296,15 +296,16 @@ class Stage3Policy:
     their gradients; DeepSpeed's ``stage3_param_persistence_threshold``, 1e5 by default as there; below stage 3
     it changes nothing, as there) and ``model_persistence_threshold`` (the most elements kept whole in all,
     smallest parameters first; DeepSpeed's ``stage3_model_persistence_threshold``; ``None``: 1% of the
-    model's elements, so that a small model, all of whose tensors are below the threshold, is still sharded). ``quantization`` and ``units`` need ``zero_stage=3`` (:meth:`check_stage`); ``units`` needs graph
-    mode and ``regather`` applies in graph mode only (:meth:`for_mode`)."""
+    model's elements, so that a small model, all of whose tensors are below the threshold, is still sharded).
+    ``quantization`` and ``units`` need ``zero_stage=3`` (:meth:`check_stage`); ``units`` needs graph mode and
+    ``regather`` applies in graph mode only (:meth:`for_mode`)."""
 
     regather: bool = True
     shard_frozen: bool = True
     quantization: Optional[GatherQuantization] = None
     units: Optional[GatherUnits] = None
-    persistence_threshold: int = 100_000
-    model_persistence_threshold: Optional[int] = None
+    persistence_threshold: int = ARGUMENT_DEFAULTS["stage3_param_persistence_threshold"]
+    model_persistence_threshold: Optional[int] = ARGUMENT_DEFAULTS["stage3_model_persistence_threshold"]
 
     def __post_init__(self):
         require_bool("stage3_regather", self.regather)
