@@ -119,10 +119,13 @@ def test_persistence_threshold_trains_as_sharding_everything(run, name, ref):
     kept whole and all-reduced together train as the run that shards them, bit for bit (the same sums: a CPU
     reduce-scatter is an all-reduce and a slice), at every stage (below 3 it changes nothing), with fp16
     parameters and a forced overflow; clipped, the global norm adds the same squares in another order, so that row
-    is held to the parity bar. At stage 3 the kept parameters are whole on every rank and in the memory report."""
+    is held to the parity bar. At 4 ranks the kept gradients' fused all-reduce sums each element's 4 contributions
+    in an order that depends on its place in the buffer (as ``test_fused_equals_unfused`` measures): 2.9e-9 on the
+    TinyGPT, 1.8e-5 on the clipped mixed net (measured), so 4 ranks are held to that test's 5e-5. At stage 3 the
+    kept parameters are whole on every rank and in the memory report."""
     n, res = run
     scn = res.scenario(name)
-    rtol = RTOL if "clip" in name else 0.0
+    rtol = 5e-5 if n == 4 else RTOL if "clip" in name else 0.0
     for r in range(n):
         assert_same_run(res.load(r, name), res.load(r, ref), f"{name} vs {ref} rank {r}", rtol=rtol,
                         loss_rtol=LOSS_NOISE, overflow=scn.force_overflow)
