@@ -21,27 +21,19 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from zero_bench_worker import reset_peak, status_kib  # noqa: E402
+
 WIRES = ("exact", "int8_wire", "int32_wire")
 
 
 def rss_mib() -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return status_kib("VmRSS") / 1024
 
 
 def peak_mib() -> float:
     """The peak RSS since the last :func:`reset_peak` (``VmHWM``)."""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    return status_kib("VmHWM") / 1024
 
 
 def kernels(ir_dir: str) -> Counter:

@@ -83,7 +83,7 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
                     gradient_accumulation: bool = True, param_dtype=None,
                     reduce_dtype=None, gather_quantization=None,
                     stage3_param_persistence_threshold=ARGUMENT_DEFAULTS["stage3_param_persistence_threshold"],
-                    stage3_model_persistence_threshold=None) -> dict:
+                    stage3_model_persistence_threshold=ARGUMENT_DEFAULTS["stage3_model_persistence_threshold"]) -> dict:
     """Bytes per rank by kind that ``prepare_train_network`` will allocate, and the paper's formula.
 
     Args:

@@ -17,7 +17,7 @@ import mindspore as ms
 import mindzero
 from tests.support.data import unit_batch
 from tests.support.models import build, make_optimizer
-from tests.support.scenarios import CheckpointCase
+from tests.support.scenarios import NO_PERSISTENCE_CAP, CheckpointCase
 from tests.support.worker import start
 
 
@@ -26,7 +26,7 @@ def make(case: CheckpointCase):
     opt = make_optimizer(case.optimizer, net)
     wrapped = ms.amp.auto_mixed_precision(net, "O2") if case.param_dtype else net
     keep = {} if case.persist is None else {"stage3_param_persistence_threshold": case.persist,
-                                            "stage3_model_persistence_threshold": 10 ** 12}
+                                            "stage3_model_persistence_threshold": NO_PERSISTENCE_CAP}
     return net, mindzero.prepare_train_network(wrapped, opt, zero_stage=case.stage, param_dtype=case.param_dtype,
                                                **keep)
 

@@ -18,7 +18,7 @@ import mindzero
 from mindzero.comm import AllGather, AnyRank, ReduceScatterSum
 from tests.support.data import batch
 from tests.support.models import build, make_optimizer
-from tests.support.scenarios import parity_scenarios
+from tests.support.scenarios import NO_PERSISTENCE_CAP, parity_scenarios
 from tests.support.tier import add_worker_flag
 from tests.support.worker import counting_collectives, run, start, tally
 
@@ -46,7 +46,7 @@ def count_collectives(world, out_dir):
                                                    gradient_accumulation_steps=2, clip_grad=True,
                                                    comm_fusion=fusion, param_dtype=param_dtype,
                                                    stage3_param_persistence_threshold=keep,
-                                                   stage3_model_persistence_threshold=10 ** 12 if keep else None)
+                                                   stage3_model_persistence_threshold=NO_PERSISTENCE_CAP if keep else None)
             counted.clear()
             for m in range(2):
                 train(*batch(type(net), 0, world.world_rank, m, n=2))

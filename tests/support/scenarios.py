@@ -104,7 +104,8 @@ UNITS = [Scenario("units-gpt-3", "gpt", "sgd_decay", 3, {"gather_units": "block"
 #: persistent gradients' squares once beside the shards' (another order of the same sum: held to the parity bar).
 #: The cap in all (``stage3_model_persistence_threshold``, by default 1% of these small models) is lifted, so that
 #: every such tensor is kept; the other stage-3 rows run the defaults (the 1% cap keeps a few of the smallest).
-PERSIST = {"stage3_param_persistence_threshold": 100, "stage3_model_persistence_threshold": 10 ** 12}
+NO_PERSISTENCE_CAP = 10 ** 12  # stage3_model_persistence_threshold above any test model: no cap in all
+PERSIST = {"stage3_param_persistence_threshold": 100, "stage3_model_persistence_threshold": NO_PERSISTENCE_CAP}
 PERSISTS = [*(Scenario(f"persist-gpt-{stage}", "gpt", "sgd_decay", stage, PERSIST, reference=f"gpt-{stage}",
                        tier=DEFAULT if stage in (2, 3) else FULL) for stage in (0, 1, 2, 3)),
             Scenario("persist-clip-3", "mixed", "adamw_groups", 3, {**CLIP, **PERSIST}, reference="clip-3"),
