@@ -21,7 +21,10 @@ any-rank flag (world)      ``AllReduce(SUM)`` of 0/1            the same (CPU ha
 =========================  ===================================  ==============================================
 
 ``single`` (a world of one rank, no ``init()``): every collective is the identity, so one process runs
-every stage. ``substitute`` (test-only, :func:`mindzero.comm.substitute_collectives`): the ``collectives``
+every stage. ``rehearsal`` (:func:`mindzero.comm.groups.rehearse`): one process plays rank 0 of ``N`` to
+measure what a step costs (:mod:`mindzero.engine.fit`): CPU's code, with each world collective replaced by a
+local operation of the same shapes (an all-gather tiles this rank's tensor ``N`` times, a sum copies it), so
+the graph and its buffers are a rank's; the values are not training's. ``substitute`` (test-only, :func:`mindzero.comm.substitute_collectives`): the ``collectives``
 code on CPU, with only the group primitives CPU lacks replaced by CPU-legal functions of the same
 semantics (docs/backends.md).
 
@@ -31,9 +34,10 @@ building the same plan on every rank.
 from __future__ import annotations
 
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, nn, ops
 
-from ..core.topology import COLLECTIVES, EMULATED, SINGLE, SUBSTITUTE, World
+from ..core.topology import COLLECTIVES, EMULATED, REHEARSAL, SINGLE, SUBSTITUTE, World
 from .emulation import FusedSumThenSlice, GatherRows, Identity, SlotSum, SumThenSlice
 from .layout import MAP, as_rows, own_shard, pieces
 from .quantize import QuantizedGather
@@ -253,7 +257,48 @@ class Substituted(Collectives):
                                                        select, self.world.world_size))
 
 
-_BACKENDS = {b.name: b for b in (SingleRank, Emulated, Collectives, Substituted)}
+class Rehearsal(Emulated):
+    """One process playing world rank 0 of ``N`` (:func:`mindzero.comm.groups.rehearse`): the CPU code, each
+    world collective a local kernel with the collective's shapes and a fresh output buffer (an all-gather
+    tiles the tensor ``N`` times, a sum copies it), the stage-3 gather a zero padding to the full size (whose own
+    gradient, a slice, stands for the reduction). What it measures is memory and graph size; the values are not
+    a run's. Hybrid layouts are not rehearsed."""
+
+    name = REHEARSAL
+
+    def _world_gather(self):
+        return LocalGather(self.world.world_size)
+
+    def _world_sum(self):
+        return LocalCopy()
+
+    def host_gather(self):
+        return lambda x: np.tile(x.asnumpy(), self.world.world_size)
+
+    def shard_gather(self, numel, padding, reduce_dtype=None):
+        shard = (numel + padding) // self.world.op_size
+        return ops.Pad(((0, shard * (self.world.world_size - 1)),)), None
+
+
+class LocalGather(nn.Cell):
+    """``(s,) -> (rows * s,)``: the tensor tiled ``rows`` times, as an all-gather of ``rows`` equal ranks."""
+
+    def __init__(self, rows: int):
+        super().__init__(auto_prefix=False)
+        self.rows, self.tile = rows, ops.Tile()
+
+    def construct(self, x):
+        return self.tile(x, (self.rows,))
+
+
+class LocalCopy(nn.Cell):
+    """A sum over equal ranks' tensors, up to the factor: a fresh buffer of the same values."""
+
+    def construct(self, x):
+        return ops.mul(x, ops.ones_like(x))
+
+
+_BACKENDS = {b.name: b for b in (SingleRank, Emulated, Collectives, Substituted, Rehearsal)}
 _OF_WORLD = {}
 
 

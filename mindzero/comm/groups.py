@@ -12,7 +12,7 @@ import os
 import mindspore as ms
 
 from ..core.config import GroupPolicy
-from ..core.topology import Group, HybridLayout, LayoutError, World
+from ..core.topology import REHEARSAL, Group, HybridLayout, LayoutError, World
 from .cells import AllGather, shared_cell
 
 
@@ -21,6 +21,8 @@ def current_world() -> World:
     from mindspore.communication import GlobalComm, get_group_size, get_rank
 
     device = ms.get_context("device_target")
+    if _REHEARSAL:
+        return World.flat(device, _REHEARSAL[-1], 0, "").with_backend(REHEARSAL)
     if not GlobalComm.INITED:
         return World.flat(device, 1, 0, "")
     return World.flat(device, get_group_size(), get_rank(), GlobalComm.WORLD_COMM_GROUP, _substituting())
@@ -85,7 +87,10 @@ def _resolve_names(optimizer_parallel_group: str, dp_group: str) -> World:
             raise ValueError(f"{argument}={value!r} names a communication group, but the world has one rank "
                              "(mindspore.communication.init() was not called); pass None")
     is_world = lambda g: g is None or g in (flat.world_group, *_WORLD_NAMES)  # noqa: E731
-    if flat.world_size == 1:
+    if flat.world_size == 1 or flat.backend == REHEARSAL:
+        if flat.backend == REHEARSAL and not (is_world(optimizer_parallel_group) and is_world(dp_group)):
+            raise ValueError("hybrid sharding (optimizer_parallel_group, dp_group) is not rehearsed: "
+                             "mindzero.comm.groups.rehearse plays one flat world")
         return flat
     n, me = flat.world_size, flat.world_rank
     if is_world(optimizer_parallel_group):
@@ -137,6 +142,29 @@ def _gather_views(flat: World, op, dp) -> list:
 
 
 _SUBSTITUTE = []  # depth of substitute_collectives() blocks
+_REHEARSAL = []  # world sizes of rehearse() blocks, innermost last
+
+
+@contextlib.contextmanager
+def rehearse(world_size: int):
+    """One process plays world rank 0 of ``world_size`` ranks: worlds made inside the block (by
+    ``prepare_train_network``) get the ``rehearsal`` backend (:class:`mindzero.comm.backends.Rehearsal`), whose
+    collectives are local operations of the right shapes. For measuring a rank's memory and graph before a
+    launch (:func:`mindzero.predict_peak`), not for training: the values are not a real run's. Refused where
+    ``init()`` was called (a real world exists)."""
+    from mindspore.communication import GlobalComm
+
+    from ..core.checks import require_int
+
+    require_int("world_size", world_size, 1)
+    if GlobalComm.INITED:
+        raise RuntimeError("rehearse: mindspore.communication.init() was called in this process; a rehearsal "
+                           "plays a world in one process without one")
+    _REHEARSAL.append(int(world_size))
+    try:
+        yield
+    finally:
+        _REHEARSAL.pop()
 
 
 def _substituting() -> bool:
@@ -174,6 +202,9 @@ def world_for(groups: GroupPolicy) -> World:
             of equal op groups (naming the groups).
     """
     size = groups.hybrid_shard_size
+    if size is not None and _REHEARSAL and size != _REHEARSAL[-1]:
+        raise ValueError(f"hybrid_shard_size={size!r}: hybrid sharding is not rehearsed (mindzero.comm.groups."
+                         "rehearse plays one flat world)")
     if size is not None and size != current_world().world_size:  # the whole world is no hybrid layout
         return _resolve_names(*create_hybrid_groups(size))
     return _resolve_names(groups.optimizer_parallel_group, groups.dp_group)

@@ -83,7 +83,8 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
                     gradient_accumulation: bool = True, param_dtype=None,
                     reduce_dtype=None, gather_quantization=None,
                     stage3_param_persistence_threshold=ARGUMENT_DEFAULTS["stage3_param_persistence_threshold"],
-                    stage3_model_persistence_threshold=ARGUMENT_DEFAULTS["stage3_model_persistence_threshold"]) -> dict:
+                    stage3_model_persistence_threshold=ARGUMENT_DEFAULTS["stage3_model_persistence_threshold"],
+                    n_states: int = None) -> dict:
     """Bytes per rank by kind that ``prepare_train_network`` will allocate, and the paper's formula.
 
     Args:
@@ -100,6 +101,8 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
         stage3_param_persistence_threshold, stage3_model_persistence_threshold: stage 3's options of
             ``prepare_train_network``: parameters of fewer elements (up to the cap in all) are counted whole
             (parameter, gradient, optimizer states) on every rank.
+        n_states: the optimizer's state tensors per parameter, when known from the optimizer itself (overrides
+            ``optimizer``'s count).
 
     Returns:
         ``{"parameters", "gradients", "optimizer_states", "total": int, "phi": int,
@@ -115,6 +118,7 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
     key = str(optimizer).lower()
     if key not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZER_STATES)}")
+    states = OPTIMIZER_STATES[key] if n_states is None else require_int("n_states", n_states, 0)
     precision = MixedPrecision.parse(param_dtype, reduce_dtype)
     infos = _param_infos(network_or_param_shapes, precision)
     quant = GatherQuantization.parse(gather_quantization)
@@ -122,10 +126,10 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
                           model_persistence_threshold=stage3_model_persistence_threshold)
     stage3.check_stage(zero_stage)
     plan = PartitionPlan.build(infos, op_size, 0, **stage3.persistence(zero_stage))
-    out = expected_bytes(plan, policy, OPTIMIZER_STATES[key], gradient_accumulation, precision=precision, quant=quant)
+    out = expected_bytes(plan, policy, states, gradient_accumulation, precision=precision, quant=quant)
     out["total"] = sum(out[k] for k in KINDS)
     phi = sum(math.prod(i.shape) for i in infos if i.optimized)
-    formulas = both_formulas(phi, zero_stage, op_size, OPTIMIZER_STATES[key])
+    formulas = both_formulas(phi, zero_stage, op_size, states)
     formula = formulas["mixed_precision" if precision.enabled else "fp32"]
     out.update(phi=phi, formula=formula, formulas=formulas, stage=zero_stage, op_size=op_size)
     return out

@@ -30,7 +30,8 @@ SINGLE = "single"  # a world of one rank: every collective is the identity
 EMULATED = "emulated"  # CPU: world collectives only, no ReduceScatter (MindSpore 2.10); emulated exactly
 COLLECTIVES = "collectives"  # GPU/Ascend: MindSpore's ReduceScatter and sub-group collectives
 SUBSTITUTE = "substitute"  # test-only: the GPU/Ascend code with CPU-legal stand-ins for the primitives
-BACKENDS = (SINGLE, EMULATED, COLLECTIVES, SUBSTITUTE)
+REHEARSAL = "rehearsal"  # one process playing rank 0 of N: CPU's code, each collective a local op of its shapes
+BACKENDS = (SINGLE, EMULATED, COLLECTIVES, SUBSTITUTE, REHEARSAL)
 REAL_COLLECTIVE_DEVICES = ("GPU", "Ascend")  # devices on which MindSpore registers ReduceScatter kernels
 
 

@@ -1,0 +1,58 @@
+"""One measured run for ``fit_accuracy.py`` (launched by msrun on every rank): the factory's network built under
+``mindzero.lazy_init`` and prepared with the given options, a few steps on the sample's shapes; writes
+``<out>/rank_<r>.json`` with the peak RSS above the RSS right before building (after ``init()`` and the imports:
+what ``mindzero.predict_peak`` predicts)."""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--spec", required=True, help="JSON: factory, factory_kwargs, options, sample, batch, steps")
+    a = ap.parse_args()
+    spec = json.loads(a.spec)
+    import mindspore as ms
+    from mindspore import Tensor
+
+    import mindzero
+    from mindzero.engine.fit import _batch, _status_kib, build, load_factory
+
+    world = mindzero.start_data_parallel()
+    ms.set_seed(0)
+    load_factory(spec["factory"])
+    inputs = [Tensor(x) for x in _batch(spec["sample"], spec["batch"], seed=world.world_rank)]
+    rss0 = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    t = time.perf_counter()
+    net, opt, lists = build(spec["factory"], kwargs=spec.get("factory_kwargs"))
+    if spec.get("recompute"):
+        best = max(lists.found, key=lambda f: f["length"] * f["block_numel"])
+        for cell in best["cells"]:
+            cell.recompute()
+    train = mindzero.prepare_train_network(net, opt, **spec["options"])
+    times = []
+    for _ in range(spec.get("steps", 3)):
+        s = time.perf_counter()
+        out = train(*inputs)
+        out[0].asnumpy()
+        times.append(time.perf_counter() - s)
+    peak = (_status_kib("VmHWM") - rss0) * 1024
+    out = Path(a.out)
+    (out / f"rank_{world.world_rank}.json").write_text(json.dumps(dict(peak=peak, seconds=time.perf_counter() - t,
+                                                                       times=times, rss0_kib=rss0)))
+    from mindzero.launch.worker import finish_rank
+
+    finish_rank(out, world.world_rank)
+
+
+if __name__ == "__main__":
+    main()

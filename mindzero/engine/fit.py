@@ -1,0 +1,587 @@
+"""Will it fit? :func:`predict_peak`, :func:`plan` and the ``mindzero-plan`` tool.
+
+The prediction rehearses small replicas of the user's network (:mod:`mindzero.core.fit` holds the model and its
+arithmetic): the factory's network with ``d`` of its repeated blocks (the largest ``nn.CellList`` or
+``nn.SequentialCell`` of identical Cells, cut to its first ``d`` as it is built), under
+:func:`mindzero.lazy_init`, prepared by ``prepare_train_network`` as world rank 0 of ``N``
+(:func:`mindzero.comm.groups.rehearse`), two steps run on an example batch. Each replica runs in a process of its
+own (a fresh interpreter, the launcher's ``MALLOC_MMAP_THRESHOLD_``), so its peak RSS above the RSS before building
+is its alone, as a rank's in a launch; up to ``jobs`` run at once.
+
+``factory`` is a zero-argument function returning ``(net_with_loss, optimizer)``, defined at a module's top level
+(each rehearsal imports it again: ``module:function``), building the optimizer from the network's parameters
+(``net.trainable_params()``) so a cut network gets a cut optimizer.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ..core.fit import (GIB, MIB, Fit, Measurement, Prediction, accumulation_choices, fit_bilinear, fit_depth,
+                        parse_bytes, recommend, table, transient_bytes, with_batch_terms)
+
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+STEPS = 2  # steps each rehearsal runs: the first compiles, the second is a steady step
+DEFAULT_DEPTHS = (1, 2)
+
+
+# --- the factory, by reference ---------------------------------------------------------------------------
+def factory_ref(factory) -> str:
+    """``"module:function"`` of a top-level function (a file path for a script's ``__main__``), or the string
+    itself when it already is one.
+
+    Raises:
+        TypeError / ValueError: not a callable, or not importable by name (a lambda, a closure, a method).
+    """
+    if isinstance(factory, str):
+        if ":" not in factory:
+            raise ValueError(f"factory={factory!r}: expected 'module:function' (e.g. 'mypkg.models:build')")
+        return factory
+    if not callable(factory):
+        raise TypeError(f"factory must be a zero-argument function returning (net_with_loss, optimizer), got "
+                        f"{type(factory).__name__}")
+    name, module = getattr(factory, "__qualname__", ""), getattr(factory, "__module__", None)
+    if not name or "<" in name or "." in name or module is None:
+        raise ValueError(f"factory={factory!r}: must be a function defined at a module's top level (each rehearsal "
+                         "process imports it again by name); a lambda, closure or method cannot be")
+    if module == "__main__":
+        path = getattr(sys.modules["__main__"], "__file__", None)
+        if not path:
+            raise ValueError(f"factory={name}: defined in an interactive session; put it in a module")
+        module = str(Path(path).resolve())
+    return f"{module}:{name}"
+
+
+def load_factory(ref: str):
+    """The function of a ``module:function`` (or ``/path/file.py:function``) reference."""
+    module, _, name = ref.rpartition(":")
+    if module.endswith(".py"):
+        spec = importlib.util.spec_from_file_location("_mindzero_factory", module)
+        mod = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(Path(module).parent))
+        spec.loader.exec_module(mod)
+    else:
+        mod = importlib.import_module(module)
+    try:
+        return getattr(mod, name)
+    except AttributeError:
+        raise ValueError(f"factory={ref!r}: module {module!r} has no {name!r}") from None
+
+
+# --- the repeated blocks ---------------------------------------------------------------------------------
+class BlockLists:
+    """While the factory runs: record every list of two or more identical Cells built (``nn.CellList`` /
+    ``nn.SequentialCell``: same class, same parameter shapes and dtypes) in the order built, or cut the
+    ``cut``-th of them to its first ``depth`` Cells (the others are never reachable, so never materialised)."""
+
+    def __init__(self, cut: int = None, depth: int = None):
+        self.cut, self.depth, self.found, self.kept = cut, depth, [], None
+
+    @staticmethod
+    def _signature(cell):
+        return type(cell), tuple((tuple(p.shape), str(p.dtype)) for p in cell.get_parameters())
+
+    def _filter(self, items):
+        from mindspore import nn
+
+        items = list(items)
+        if len(items) < 2 or not all(isinstance(c, nn.Cell) for c in items):
+            return items
+        sig = self._signature(items[0])
+        if not sig[1] or any(self._signature(c) != sig for c in items[1:]):
+            return items
+        index = len(self.found)
+        numel = sum(int(np.prod(s)) for s, _ in sig[1])
+        self.found.append(dict(index=index, length=len(items), cls=sig[0].__name__, block_numel=numel, cells=items))
+        if index == self.cut:
+            items = items[:self.depth]
+            self.kept = items
+        return items
+
+    @contextlib.contextmanager
+    def active(self):
+        from mindspore import nn
+
+        lists, seq = nn.CellList.__init__, nn.SequentialCell.__init__
+        me = self
+
+        def cell_list(self_, items=None, *args, **kwargs):
+            return lists(self_, me._filter(items) if items is not None else items, *args, **kwargs)
+
+        def sequential(self_, *args):
+            if len(args) == 1 and isinstance(args[0], list):
+                args = (me._filter(args[0]),)
+            return seq(self_, *args)
+
+        nn.CellList.__init__, nn.SequentialCell.__init__ = cell_list, sequential
+        try:
+            yield self
+        finally:
+            nn.CellList.__init__, nn.SequentialCell.__init__ = lists, seq
+
+
+def build(ref: str, cut: int = None, depth: int = None, kwargs: dict = None):
+    """``(net, optimizer, lists)``: the factory's network built under ``lazy_init`` (nothing materialised), the
+    ``cut``-th repeated list cut to ``depth``; ``kwargs``: the factory's keyword arguments."""
+    from .materialize import lazy_init
+
+    factory = load_factory(ref)
+    lists = BlockLists(cut, depth)
+    with lazy_init(), lists.active():
+        made = factory(**(kwargs or {}))
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise TypeError(f"factory {ref!r} must return (net_with_loss, optimizer), got {type(made).__name__}")
+    return made[0], made[1], lists
+
+
+def block_list_name(net, cells) -> str:
+    """The attribute path of the list holding ``cells`` in ``net`` (for ``gather_units``), or ``None``."""
+    for name, cell in net.cells_and_names():
+        if name and cell is cells[0]:
+            return name.rsplit(".", 1)[0] if "." in name else None
+    return None
+
+
+# --- one rehearsal (in its own process) --------------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _batch(sample, batch: int, seed: int = 0) -> list:
+    """The example inputs at micro-batch ``batch`` (dimension 0): arrays repeated or cut row-wise; shapes
+    filled (integers 0, floats standard normal)."""
+    rng = np.random.RandomState(seed)
+    out = []
+    for item in sample:
+        if isinstance(item, dict) and "array" in item:
+            arr = np.asarray(item["array"])
+            out.append(arr[np.arange(batch) % arr.shape[0]])
+            continue
+        shape, dtype = (batch, *item["shape"][1:]), np.dtype(item["dtype"])
+        out.append(rng.standard_normal(shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype))
+    return out
+
+
+def rehearse_one(spec: dict) -> dict:
+    """Rehearse one replica (``spec``: factory, world_size, options, cut, depth, batch, sample, recompute) and
+    return its measurement. Runs in a fresh process (:func:`_run_child`)."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from ..comm.groups import rehearse
+    from ..core.comm_plan import summarize
+    from ..core.memory import KINDS
+    from .prepare import prepare_train_network
+    from .report import memory_report
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    ms.set_seed(0)
+    load_factory(spec["factory"])  # its imports belong to the baseline, not to the network
+    sample = spec["sample"]
+    if spec.get("arrays"):
+        loaded = np.load(spec["arrays"])
+        sample = [{"array": loaded[f"a{i}"]} for i in range(len(loaded.files))]
+    inputs = [Tensor(a) for a in _batch(sample, spec["batch"])]
+    rss0 = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    t = time.perf_counter()
+    net, opt, lists = build(spec["factory"], spec.get("cut"), spec.get("depth"), spec.get("factory_kwargs"))
+    if spec.get("recompute") and lists.kept is not None:
+        for cell in lists.kept:
+            cell.recompute()
+    with rehearse(spec["world_size"]):
+        train = prepare_train_network(net, opt, **spec["options"])
+    for _ in range(STEPS):
+        out = train(*inputs)
+        out[0].asnumpy()
+    peak = (_status_kib("VmHWM") - rss0) * 1024
+    report = memory_report(train)
+    return dict(peak=peak, states=sum(report[k] for k in KINDS),
+                traffic=summarize(train.zero_info.real_calls)["total"]["traffic"],
+                seconds=time.perf_counter() - t, depth=spec.get("depth"), batch=spec["batch"])
+
+
+def _run_child(spec: dict, timeout: float) -> Measurement:
+    with tempfile.TemporaryDirectory(prefix="mindzero_fit_") as tmp:
+        src, dst = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        src.write_text(json.dumps(spec))
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", GLOG_v="3",
+                   PYTHONPATH=os.pathsep.join([PACKAGE_PARENT, *sys.path[1:], os.environ.get("PYTHONPATH", "")]))
+        try:
+            run = subprocess.run([sys.executable, "-m", "mindzero.engine.fit", "--rehearse", str(src), str(dst)],
+                                 env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"rehearsal of {spec['factory']} (depth {spec.get('depth')}, batch {spec['batch']}, "
+                               f"{spec['options']}) took more than {timeout:.0f} s") from None
+        if run.returncode != 0 or not dst.exists():
+            tail = "\n".join((run.stderr or run.stdout).strip().splitlines()[-15:])
+            raise RuntimeError(f"rehearsal of {spec['factory']} (depth {spec.get('depth')}, batch {spec['batch']}, "
+                               f"options {spec['options']}) failed (exit {run.returncode}):\n{tail}")
+        r = json.loads(dst.read_text())
+    return Measurement(r["depth"] or 0, r["batch"], r["peak"], r["states"], r["traffic"], r["seconds"])
+
+
+# --- the network's facts (in this process, built lazily) ----------------------------------------------------
+class Network:
+    """What the planner reads of the factory's full network, built under ``lazy_init`` (nothing materialised):
+    its parameters, its optimizer's state count, the repeated list it cuts (``cut``, ``depth``: how many blocks
+    the full network has; ``None`` without one) and that list's attribute name."""
+
+    def __init__(self, ref: str, kwargs: dict = None):
+        from .optim import optimizer_states
+
+        net, opt, lists = build(ref, kwargs=kwargs)
+        self.ref = ref
+        self.cut = self.depth = self.list_name = None
+        self.block_numel, self.block_bytes = 0, 0
+        if lists.found:
+            best = max(lists.found, key=lambda f: f["length"] * f["block_numel"])
+            self.cut, self.depth, self.list_name = best["index"], best["length"], block_list_name(net, best["cells"])
+            self.block_numel = best["block_numel"]
+            self.block_bytes = sum(int(np.prod(p.shape)) * _itemsize(p) for p in best["cells"][0].get_parameters())
+        self.n_states = len(optimizer_states(opt))
+        self.shapes = {p.name: tuple(p.shape) for p in net.get_parameters()}
+        self.net = net
+        self.optimizer = opt
+
+
+def _itemsize(p) -> int:
+    return np.dtype(str(p.dtype).lower().replace("bfloat16", "float16")).itemsize
+
+
+def _sample_spec(sample, tmp: Path):
+    """``(sample, arrays path or None, batch)`` from Tensors/arrays or ``(shape, dtype)`` pairs."""
+    if not isinstance(sample, (list, tuple)) or not sample:
+        raise ValueError(f"sample must be a non-empty list of the network's inputs (Tensors, arrays or "
+                         f"(shape, dtype) pairs), got {sample!r}")
+    if all(hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, tuple) for x in sample):
+        arrays = [x.asnumpy() if hasattr(x, "asnumpy") else np.asarray(x) for x in sample]
+        path = tmp / "sample.npz"
+        np.savez(path, **{f"a{i}": a for i, a in enumerate(arrays)})
+        return [dict(shape=list(a.shape), dtype=str(a.dtype)) for a in arrays], str(path), int(arrays[0].shape[0])
+    out = []
+    for item in sample:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+            raise ValueError(f"sample item {item!r}: expected (shape, dtype), e.g. ((8, 64), 'int32')")
+        shape, dtype = tuple(int(d) for d in item[0]), str(np.dtype(str(item[1]).replace("mindspore.", "")))
+        if not shape or shape[0] < 1:
+            raise ValueError(f"sample item {item!r}: dimension 0 (the batch) must be >= 1")
+        out.append(dict(shape=list(shape), dtype=dtype))
+    return out, None, out[0]["shape"][0]
+
+
+def _other_batch(batch: int) -> int:
+    return batch // 2 if batch >= 2 and batch % 2 == 0 else 2 * batch
+
+
+def _jsonable(options: dict) -> dict:
+    return {k: (str(v).replace("mindspore.", "").lower() if k in ("param_dtype", "reduce_dtype") and v is not None
+                else v) for k, v in options.items()}
+
+
+class Planner:
+    """Rehearsals of one factory and sample, shared by the configurations that need them."""
+
+    def __init__(self, factory, sample, world_size: int, depths=DEFAULT_DEPTHS, jobs: int = 2, timeout: float = 900,
+                 progress=None, factory_kwargs: dict = None):
+        from ..core.checks import require_int
+
+        require_int("world_size", world_size, 1)
+        if len(depths) != 2 or depths[0] >= depths[1] or depths[0] < 1:
+            raise ValueError(f"depths={depths!r}: two block counts, the first >= 1 and smaller than the second")
+        self.ref = factory_ref(factory)
+        self.factory_kwargs = dict(factory_kwargs or {})
+        json.dumps(self.factory_kwargs)  # each rehearsal process receives them as JSON
+        self.world_size, self.depths, self.jobs, self.timeout = world_size, tuple(depths), max(1, int(jobs)), timeout
+        self.progress = progress or (lambda msg: None)
+        self._tmp = tempfile.TemporaryDirectory(prefix="mindzero_plan_")
+        self.sample, self.arrays, self.batch = _sample_spec(sample, Path(self._tmp.name))
+        self.network = Network(self.ref, self.factory_kwargs)
+        if self.network.depth is not None and self.network.depth < self.depths[1]:
+            self.depths = (1, self.network.depth) if self.network.depth > 1 else self.depths
+        self._cache = {}
+
+    def _spec(self, options, depth, batch, recompute) -> dict:
+        net = self.network
+        return dict(factory=self.ref, factory_kwargs=self.factory_kwargs, world_size=self.world_size, options=_jsonable(options), sample=self.sample,
+                    arrays=self.arrays, batch=batch, recompute=recompute,
+                    cut=net.cut, depth=depth if net.cut is not None else None)
+
+    def measure(self, runs) -> list:
+        """Measurements of ``runs`` (``(options, depth, batch, recompute)``), rehearsed ``jobs`` at a time, cached."""
+        todo = []
+        for run in runs:
+            key = json.dumps(self._spec(*run), sort_keys=True)
+            if key not in self._cache and key not in [k for k, _ in todo]:
+                todo.append((key, self._spec(*run)))
+        if todo:
+            self.progress(f"rehearsing {len(todo)} replica(s) as rank 0 of {self.world_size}, {self.jobs} at a time")
+
+        def one(item):
+            key, spec = item
+            m = _run_child(spec, self.timeout)
+            self.progress(f"  {spec['options']}, {spec['depth'] or 'whole'} block(s), batch {spec['batch']}"
+                          f"{', recompute' if spec['recompute'] else ''}: peak {m.peak / MIB:.0f} MiB "
+                          f"({m.seconds:.0f} s)")
+            return key, m
+
+        with ThreadPoolExecutor(self.jobs) as pool:
+            for key, m in pool.map(one, todo):
+                self._cache[key] = m
+        return [self._cache[json.dumps(self._spec(*run), sort_keys=True)] for run in runs]
+
+    def fit(self, options: dict, recompute: bool = False, batch_from: dict = None) -> Fit:
+        """The fit of one configuration: two depths at the sample's batch; the batch terms from the same
+        configuration at another batch, or from ``batch_from`` (another configuration of the same precision)."""
+        d1, d2 = self.depths
+        b, b2 = self.batch, _other_batch(self.batch)
+        src = options if batch_from is None else batch_from
+        if self.network.cut is None:  # no repeated blocks: the whole network at two batches
+            m1, m2 = self.measure([(options, None, b, recompute), (src, None, b2, recompute)])
+            if batch_from is not None:
+                m1b, = self.measure([(src, None, b, recompute)])
+                per_sample = max(0.0, (m2.peak - m1b.peak) / (b2 - b))
+            else:
+                per_sample = max(0.0, (m2.peak - m1.peak) / (b2 - b))
+            return Fit(m1.peak - b * per_sample, 0.0, per_sample, 0.0, m1.traffic, 0.0)
+        lo, hi = self.measure([(options, d1, b, recompute), (options, d2, b, recompute)])
+        lo2, hi2 = self.measure([(src, d1, b2, recompute), (src, d2, b2, recompute)])
+        if batch_from is None:
+            return fit_bilinear([lo, hi, lo2, hi2])[0]
+        src_lo, src_hi = self.measure([(src, d1, b, recompute), (src, d2, b, recompute)])
+        batch_terms = with_batch_terms(fit_depth(src_lo, src_hi), b, (src_lo, src_hi), (lo2, hi2))
+        own = fit_depth(lo, hi)
+        return Fit(own.c0 - b * batch_terms.a0, own.c1 - b * batch_terms.a1, batch_terms.a0, batch_terms.a1,
+                   own.t0, own.t1)
+
+    def predict(self, options: dict, recompute: bool = False, batch: int = None, accumulation: int = None,
+                batch_from: dict = None) -> Prediction:
+        """The full network's prediction for ``options`` at micro-batch ``batch`` (default: the sample's)."""
+        from ..core.estimate import estimate_memory
+
+        fit = self.fit(options, recompute, batch_from)
+        batch = self.batch if batch is None else batch
+        accumulation = accumulation or int(options.get("gradient_accumulation_steps", 1) or 1)
+        depth = self.network.depth if self.network.cut is not None else 0
+        stage = int(options.get("zero_stage", 0))
+        est = estimate_memory(self.network.net, stage, self.world_size, n_states=self.network.n_states,
+                              gradient_accumulation=accumulation > 1,
+                              **{k: options[k] for k in ("param_dtype", "reduce_dtype", "gather_quantization",
+                                                         "stage3_param_persistence_threshold",
+                                                         "stage3_model_persistence_threshold") if k in options})
+        peak = fit.peak(depth, batch)
+        if accumulation > 1 and int(options.get("gradient_accumulation_steps", 1) or 1) == 1:
+            # calibrated without accumulation: add the persistent gradient buffers it allocates
+            without = estimate_memory(self.network.net, stage, self.world_size, n_states=self.network.n_states,
+                                      gradient_accumulation=False,
+                                      **{k: options[k] for k in ("param_dtype", "reduce_dtype") if k in options})
+            peak += est["gradients"] - without["gradients"]
+        states = est["total"]
+        grad_item = 2 if (options.get("param_dtype") or options.get("reduce_dtype")) else 4
+        full_grads = est["phi"] * grad_item
+        transient = transient_bytes(full_grads, est["gradients"], stage, self.network.block_bytes,
+                                    options.get("stage3_regather", True))
+        acts = fit.activations(depth, batch)
+        parts = dict(model_states=states, transient=transient, activations=acts,
+                     framework=peak - states - transient - acts)
+        opts = {**options, **({"recompute": True} if recompute else {})}
+        return Prediction(opts, self.world_size, self.network.depth, batch, accumulation, peak, parts,
+                          fit.traffic(depth), fit)
+
+    def close(self):
+        self._tmp.cleanup()
+
+
+def predict_peak(factory, sample, world_size: int, zero_stage: int = 0, *, depths=DEFAULT_DEPTHS,
+                 recompute: bool = False, jobs: int = 2, timeout: float = 900, progress=None,
+                 factory_kwargs: dict = None, **options) -> Prediction:
+    """Predict each rank's peak RSS above the process's RSS before building the network, before launching.
+
+    Args:
+        factory: a top-level function (or ``"module:function"``) returning ``(net_with_loss, optimizer)``, the
+            optimizer built from the network's parameters; the planner builds it under ``lazy_init``.
+        sample: the network's inputs for one micro-batch on one rank: Tensors/arrays, or ``(shape, dtype)``
+            pairs (integers filled with 0, floats random); dimension 0 is the batch.
+        world_size: ranks of the launch (the op group: hybrid layouts are not predicted).
+        zero_stage, **options: ``prepare_train_network``'s arguments (as strings or numbers: ``param_dtype=
+            "float16"``).
+        depths: the block counts of the two replicas (default 1 and 2).
+        recompute: recompute each repeated block in backward (``Cell.recompute()``).
+        jobs: rehearsals at once (each is a process). timeout: seconds per rehearsal.
+        progress: a function called with a line per step (e.g. ``print``).
+        factory_kwargs: keyword arguments the factory is called with (JSON-able), e.g. a width or depth.
+
+    Returns:
+        :class:`mindzero.core.fit.Prediction`: ``peak`` (bytes), ``parts`` (model states by the plan,
+        transient by the formulas, activations, framework and compiled graph: the rest), ``wire_bytes`` (ring
+        bytes per step per rank on GPU/Ascend), ``fit`` and ``measurements``.
+
+    Raises:
+        ValueError / TypeError: a factory that is not importable by name, a bad sample or option (named).
+        RuntimeError: a rehearsal that failed (with its error) or timed out.
+    """
+    planner = Planner(factory, sample, world_size, depths, jobs, timeout, progress, factory_kwargs)
+    try:
+        return planner.predict({"zero_stage": zero_stage, **options}, recompute)
+    finally:
+        planner.close()
+
+
+# --- the plan --------------------------------------------------------------------------------------------
+def candidates(stages=(0, 1, 2, 3), param_dtype=None, units_pattern=None, quantization=True, regather=True) -> list:
+    """The configurations ``plan`` weighs: each stage, and at stage 3 per-block gathers (``units_pattern``),
+    int8 gathers and no backward re-gather; each with ``param_dtype`` when given."""
+    out = []
+    for dtype in ([None] + ([param_dtype] if param_dtype else [])):
+        base = {"param_dtype": dtype} if dtype else {}
+        for s in stages:
+            out.append({"zero_stage": s, **base})
+        if 3 in stages:
+            if units_pattern:
+                out.append({"zero_stage": 3, **base, "gather_units": units_pattern})
+            if quantization:
+                out.append({"zero_stage": 3, **base, "gather_quantization": "int8"})
+            if regather:
+                out.append({"zero_stage": 3, **base, "stage3_regather": False})
+    return out
+
+
+def plan(factory, sample, world_size: int, budget, *, stages=(0, 1, 2, 3), param_dtype=None, recompute=False,
+         global_batch: int = None, quantization: bool = True, depths=DEFAULT_DEPTHS, jobs: int = 2,
+         timeout: float = 900, progress=None, factory_kwargs: dict = None) -> dict:
+    """The configurations that fit ``budget`` (bytes per rank above the RSS before building, or ``"5GiB"``), and
+    the one to use: the fewest bytes on the wire among those that fit.
+
+    Weighs stages 0-3, stage 3's per-block gathers, int8 gathers and no re-gather, ``param_dtype`` (when given),
+    recompute of the repeated blocks (``recompute=True`` adds each configuration with it) and, with
+    ``global_batch`` (samples per rank per optimizer step), gradient accumulation over equal micro-batches
+    (predicted from the batch terms of the fit: no more rehearsals).
+
+    Returns:
+        ``{"predictions": [Prediction], "best": Prediction, "reason": str, "table": str, "largest_depth": {label:
+        blocks}, "network": {...}}``.
+
+    Raises:
+        ValueError: nothing fits (naming the smallest peak found), or bad arguments.
+    """
+    budget = parse_bytes(budget)
+    planner = Planner(factory, sample, world_size, depths, jobs, timeout, progress, factory_kwargs)
+    try:
+        net = planner.network
+        units = f"{net.list_name}.*" if net.list_name else None
+        configs = candidates(stages, param_dtype, units, quantization)
+        variants = [False, True] if recompute else [False]
+        # one batch-term source per precision and recompute: stage 0 of that precision
+        runs = []
+        for rc in variants:
+            for opts in configs:
+                runs += [(opts, d, planner.batch, rc) for d in planner.depths]
+            for dtype in {o.get("param_dtype") for o in configs}:
+                src = {"zero_stage": 0, **({"param_dtype": dtype} if dtype else {})}
+                runs += [(src, d, _other_batch(planner.batch), rc) for d in planner.depths]
+        if net.cut is None:
+            runs = [(o, None, b, rc) for (o, _, b, rc) in runs]
+        planner.measure(runs)  # all at once: `jobs` in parallel
+        preds = []
+        for rc in variants:
+            for opts in configs:
+                src = {"zero_stage": 0, **({"param_dtype": opts["param_dtype"]} if opts.get("param_dtype") else {})}
+                choices = accumulation_choices(global_batch) if global_batch else [(1, planner.batch)]
+                for k, micro in choices:
+                    preds.append(planner.predict(opts, rc, micro, k, batch_from=src))
+        try:
+            best, reason = recommend(preds, budget)
+        except ValueError as err:
+            raise ValueError(f"{err}\n{table(preds, budget)}") from None
+        return dict(predictions=preds, best=best, reason=reason, table=table(preds, budget), budget=budget,
+                    network=dict(factory=planner.ref, blocks=net.depth, block_list=net.list_name,
+                                 block_parameters=net.block_numel, world_size=world_size, batch=planner.batch,
+                                 sample=planner.sample),
+                    largest_depth={p.label: p.fit.largest_depth(budget, p.batch) for p in preds
+                                   if net.cut is not None and p.accumulation == 1})
+    finally:
+        planner.close()
+
+
+def _parse_sample(text: str) -> list:
+    """``"2x64:int32,2x64:int32"`` -> ``[((2, 64), "int32"), ...]``."""
+    out = []
+    for part in text.split(","):
+        shape, _, dtype = part.strip().partition(":")
+        try:
+            dims = tuple(int(d) for d in shape.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--sample {text!r}: expected shapes such as 2x64:int32,2x3x224x224:float32")
+        out.append((dims, dtype or "float32"))
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--rehearse"]:  # a rehearsal process (_run_child)
+        spec = json.loads(Path(argv[1]).read_text())
+        Path(argv[2]).write_text(json.dumps(rehearse_one(spec)))
+        return 0
+    ap = argparse.ArgumentParser(prog="mindzero-plan", description="Will it fit? Predict each rank's peak memory "
+                                 "for ZeRO configurations of your network and recommend the one to use.")
+    ap.add_argument("factory", help="module:function returning (net_with_loss, optimizer)")
+    ap.add_argument("--sample", required=True, type=_parse_sample,
+                    help="one micro-batch's inputs per rank, e.g. 2x64:int32,2x64:int32 (dimension 0: the batch)")
+    ap.add_argument("--world-size", type=int, required=True, help="ranks of the launch")
+    ap.add_argument("--budget", required=True, help="memory per rank above the framework, e.g. 5GiB")
+    ap.add_argument("--stages", default="0,1,2,3")
+    ap.add_argument("--param-dtype", choices=["float16", "bfloat16"], help="also weigh mixed precision")
+    ap.add_argument("--recompute", action="store_true", help="also weigh recomputing each repeated block")
+    ap.add_argument("--global-batch", type=int, help="samples per rank per optimizer step: weigh gradient accumulation")
+    ap.add_argument("--no-quantization", action="store_true", help="do not weigh int8 gathers")
+    ap.add_argument("--depths", default="1,2", help="block counts of the two rehearsed replicas")
+    ap.add_argument("--jobs", type=int, default=2, help="rehearsals at once")
+    ap.add_argument("--factory-kwargs", type=json.loads, default={}, help='the factory\'s keyword arguments as JSON, '
+                    'e.g. \'{"layers": 24}\'')
+    ap.add_argument("--json", help="also write the predictions to this file")
+    a = ap.parse_args(argv)
+    started = time.time()
+    try:
+        result = plan(a.factory, a.sample, a.world_size, a.budget, stages=tuple(int(s) for s in a.stages.split(",")),
+                      param_dtype=a.param_dtype, recompute=a.recompute, global_batch=a.global_batch,
+                      quantization=not a.no_quantization, depths=tuple(int(d) for d in a.depths.split(",")),
+                      jobs=a.jobs, progress=lambda m: print(m, flush=True), factory_kwargs=a.factory_kwargs)
+    except ValueError as err:
+        print(f"mindzero-plan: {err}", file=sys.stderr)
+        return 2
+    net = result["network"]
+    print(f"\n{net['factory']}: {net['blocks'] or 'no'} repeated blocks ({net['block_list']}), {a.world_size} ranks, "
+          f"micro-batch {net['batch']}, budget {result['budget'] / GIB:.2f} GiB per rank "
+          f"(calibrated in {time.time() - started:.0f} s)\n")
+    print(result["table"])
+    if result["largest_depth"]:
+        print("\nlargest depth within the budget (blocks of this width): " +
+              ", ".join(f"{k}: {v}" for k, v in result["largest_depth"].items()))
+    print(f"\nrecommended: {result['best'].label}: {result['reason']}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(network=net, budget=result["budget"], reason=result["reason"],
+                                                best=result["best"].label,
+                                                predictions=[p.as_dict() for p in result["predictions"]],
+                                                largest_depth=result["largest_depth"]), indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
