@@ -11,5 +11,6 @@ setup(
     entry_points={"console_scripts": ["mindzero-merge=mindzero.checkpoint.cli:main_merge",
                                       "mindzero-reshard=mindzero.checkpoint.cli:main_reshard",
                                       "mindzero-verify=mindzero.checkpoint.cli:main_verify",
-                                      "mindzero-estimate=mindzero.core.estimate:main"]},
+                                      "mindzero-estimate=mindzero.core.estimate:main",
+                                      "mindzero-plan=mindzero.engine.fit:main"]},
 )

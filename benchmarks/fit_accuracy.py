@@ -28,6 +28,8 @@ MODELS = {  # name -> (factory, kwargs, sample, configurations)
                ["0", "1", "2", "3", "3-noregather", "3-units", "3-int8", "2-accum2"]),
     "gpt512": ("fit_models:gpt", dict(vocab=8192, dim=512, layers=4, heads=8, seq=64), GPT_SAMPLE,
                ["0", "2", "3", "3-int8"]),
+    "gpt105": ("fit_models:gpt", dict(vocab=8192, dim=768, layers=14, heads=12, seq=64), GPT_SAMPLE,  # zero_bench's
+               ["0", "3"]),
     "vit": ("fit_models:vit", dict(image=64, patch=8, dim=384, depth=6, heads=6, classes=100), VIT_SAMPLE,
             ["0", "2", "3", "3-units"]),
 }
@@ -82,7 +84,7 @@ def chart(rows, out: Path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", default="2,4")
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default="gpt256,gpt512,vit")
     ap.add_argument("--out", default="runs/fit_accuracy")
     ap.add_argument("--jobs", type=int, default=2, help="rehearsals at once")
     ap.add_argument("--timeout", type=float, default=1200)

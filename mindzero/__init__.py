@@ -46,6 +46,9 @@ _LAZY = {
     "MergeError": "mindzero.checkpoint.source",
     "create_hybrid_groups": "mindzero.comm.groups",
     "start_data_parallel": "mindzero.comm.start",
+    "predict_peak": "mindzero.engine.fit",
+    "plan": "mindzero.engine.fit",
+    "rehearse": "mindzero.comm.groups",
 }
 
 __all__ = sorted(["STAGES", "CheckpointOptions", "EmaPolicy", "GroupPolicy", "LossScale", "MixedPrecision",

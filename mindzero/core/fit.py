@@ -41,11 +41,14 @@ class Measurement:
     states: int = 0
     traffic: float = 0.0
     seconds: float = 0.0
+    micro_traffic: float = 0.0  # the part of ``traffic`` every micro-step repeats (forward and backward)
+    pool: int = 0  # peak bytes of MindSpore's memory pool (the device memory on GPU/Ascend; MiB resolution)
 
 
 @dataclass(frozen=True)
 class Fit:
-    """``peak(d, b) = c0 + c1 d + b (a0 + a1 d)`` bytes; ``traffic(d) = t0 + t1 d``."""
+    """``peak(d, b) = c0 + c1 d + b (a0 + a1 d)`` bytes; ``traffic(d) = t0 + t1 d`` ring bytes per step, of which
+    ``u0 + u1 d`` every micro-step repeats."""
 
     c0: float
     c1: float
@@ -53,6 +56,8 @@ class Fit:
     a1: float
     t0: float = 0.0
     t1: float = 0.0
+    u0: float = 0.0
+    u1: float = 0.0
 
     def peak(self, depth: float, batch: float) -> float:
         return self.c0 + self.c1 * depth + batch * (self.a0 + self.a1 * depth)
@@ -60,8 +65,9 @@ class Fit:
     def activations(self, depth: float, batch: float) -> float:
         return batch * (self.a0 + self.a1 * depth)
 
-    def traffic(self, depth: float) -> float:
-        return self.t0 + self.t1 * depth
+    def traffic(self, depth: float, accumulation: int = 1) -> float:
+        """Ring bytes per optimizer step: the micro-step's collectives ``accumulation`` times, the rest once."""
+        return self.t0 + self.t1 * depth + (accumulation - 1) * (self.u0 + self.u1 * depth)
 
     def largest_depth(self, budget: float, batch: float) -> int:
         """The most blocks whose predicted peak is at most ``budget`` (0 if not even one)."""
@@ -86,8 +92,9 @@ def fit_depth(a: Measurement, b: Measurement) -> Fit:
         raise ValueError(f"fit_depth: measurements at batches {a.batch} and {b.batch}; need one batch")
     c0, c1 = _line(a.depth, a.peak, b.depth, b.peak)
     t0, t1 = _line(a.depth, a.traffic, b.depth, b.traffic)
+    u0, u1 = _line(a.depth, a.micro_traffic, b.depth, b.micro_traffic)
     # the batch terms are zero: peak(d, b) = c0 + c1 d at this batch, and c0, c1 include its activations
-    return Fit(c0, c1, 0.0, 0.0, t0, t1)
+    return Fit(c0, c1, 0.0, 0.0, t0, t1, u0, u1)
 
 
 def fit_bilinear(measurements) -> tuple:
@@ -132,6 +139,7 @@ class Prediction:
     parts: dict  # model_states, transient, activations, framework (bytes; they sum to peak)
     wire_bytes: float  # ring bytes per step per rank of the real collectives (GPU/Ascend)
     fit: Fit = None
+    pool: float = 0.0  # MindSpore's memory pool peak, by the same fit (what a device would hold; see docs)
     measurements: list = field(default_factory=list)
 
     @property
@@ -141,7 +149,7 @@ class Prediction:
     def as_dict(self) -> dict:
         return dict(label=self.label, options=self.options, world_size=self.world_size, depth=self.depth,
                     batch=self.batch, accumulation=self.accumulation, peak=self.peak, parts=self.parts,
-                    wire_bytes=self.wire_bytes, fit=None if self.fit is None else vars(self.fit),
+                    wire_bytes=self.wire_bytes, pool=self.pool, fit=None if self.fit is None else vars(self.fit),
                     measurements=[vars(m) for m in self.measurements])
 
 
@@ -191,12 +199,12 @@ def recommend(predictions, budget: float):
         low = min(preds, key=lambda p: p.peak)
         raise ValueError(f"budget={budget / GIB:.2f} GiB per rank: no configuration fits; the smallest predicted "
                          f"peak is {low.peak / GIB:.2f} GiB ({low.label})")
-    best = min(fits, key=lambda p: (round(p.wire_bytes), p.peak))
+    best = min(fits, key=lambda p: (round(p.wire_bytes), p.accumulation, p.peak))  # fewer micro-steps: less time
     cheaper = [p for p in preds if p.wire_bytes < best.wire_bytes]
     why = (f"fits {best.peak / GIB:.2f} GiB of {budget / GIB:.2f} GiB with the fewest bytes on the wire "
            f"({best.wire_bytes / MIB:.0f} MiB per step)")
     if cheaper:
-        c = min(cheaper, key=lambda p: p.wire_bytes)
+        c = min(cheaper, key=lambda p: p.peak)  # of those that send less, the nearest to fitting
         why += f"; {c.label} sends less ({c.wire_bytes / MIB:.0f} MiB) but needs {c.peak / GIB:.2f} GiB"
     return best, why
 

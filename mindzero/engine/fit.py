@@ -20,20 +20,23 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from ..core.fit import (GIB, MIB, Fit, Measurement, Prediction, accumulation_choices, fit_bilinear, fit_depth,
+from ..core.fit import (GIB, MIB, Fit, Measurement, Prediction, accumulation_choices, fit_depth,
                         parse_bytes, recommend, table, transient_bytes, with_batch_terms)
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 STEPS = 2  # steps each rehearsal runs: the first compiles, the second is a steady step
+MICRO_PHASES = ("forward", "backward")  # collectives every micro-step repeats (mindzero.core.comm_plan.Call.phase)
 DEFAULT_DEPTHS = (1, 2)
 
 
@@ -213,8 +216,9 @@ def rehearse_one(spec: dict) -> dict:
         out[0].asnumpy()
     peak = (_status_kib("VmHWM") - rss0) * 1024
     report = memory_report(train)
-    return dict(peak=peak, states=sum(report[k] for k in KINDS),
-                traffic=summarize(train.zero_info.real_calls)["total"]["traffic"],
+    calls = train.zero_info.real_calls
+    return dict(peak=peak, states=sum(report[k] for k in KINDS), traffic=summarize(calls)["total"]["traffic"],
+                micro_traffic=summarize([c for c in calls if c.phase in MICRO_PHASES])["total"]["traffic"],
                 seconds=time.perf_counter() - t, depth=spec.get("depth"), batch=spec["batch"])
 
 
@@ -222,7 +226,7 @@ def _run_child(spec: dict, timeout: float) -> Measurement:
     with tempfile.TemporaryDirectory(prefix="mindzero_fit_") as tmp:
         src, dst = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         src.write_text(json.dumps(spec))
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", GLOG_v="3",
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", GLOG_v="3", MS_DEV_RUNTIME_CONF="memory_statistics:True",
                    PYTHONPATH=os.pathsep.join([PACKAGE_PARENT, *sys.path[1:], os.environ.get("PYTHONPATH", "")]))
         try:
             run = subprocess.run([sys.executable, "-m", "mindzero.engine.fit", "--rehearse", str(src), str(dst)],
@@ -235,7 +239,17 @@ def _run_child(spec: dict, timeout: float) -> Measurement:
             raise RuntimeError(f"rehearsal of {spec['factory']} (depth {spec.get('depth')}, batch {spec['batch']}, "
                                f"options {spec['options']}) failed (exit {run.returncode}):\n{tail}")
         r = json.loads(dst.read_text())
-    return Measurement(r["depth"] or 0, r["batch"], r["peak"], r["states"], r["traffic"], r["seconds"])
+    return Measurement(r["depth"] or 0, r["batch"], r["peak"], r["states"], r["traffic"], r["seconds"],
+                       r["micro_traffic"], pool_peak(run.stdout + run.stderr))
+
+
+_POOL = re.compile(r"dynamic memory pool .*?actual peak used mem:(\d+)M")
+
+
+def pool_peak(log: str) -> int:
+    """Bytes: the highest "actual peak used mem" of MindSpore's dynamic memory pool in a log written under
+    ``MS_DEV_RUNTIME_CONF=memory_statistics:True`` (printed in MiB; 0 if absent)."""
+    return max([int(x) for x in _POOL.findall(log)] or [0]) * MIB
 
 
 # --- the network's facts (in this process, built lazily) ----------------------------------------------------
@@ -258,8 +272,15 @@ class Network:
             self.block_bytes = sum(int(np.prod(p.shape)) * _itemsize(p) for p in best["cells"][0].get_parameters())
         self.n_states = len(optimizer_states(opt))
         self.shapes = {p.name: tuple(p.shape) for p in net.get_parameters()}
+        self.numel = sum(int(np.prod(s)) for s in self.shapes.values())
         self.net = net
         self.optimizer = opt
+
+
+    def largest(self, fit: Fit, budget: float, batch: int) -> dict:
+        """The most blocks (and the parameters of that network) whose predicted peak fits ``budget``."""
+        blocks = fit.largest_depth(budget, batch)
+        return dict(blocks=blocks, parameters=self.numel + (blocks - self.depth) * self.block_numel)
 
 
 def _itemsize(p) -> int:
@@ -347,29 +368,29 @@ class Planner:
                 self._cache[key] = m
         return [self._cache[json.dumps(self._spec(*run), sort_keys=True)] for run in runs]
 
-    def fit(self, options: dict, recompute: bool = False, batch_from: dict = None) -> Fit:
+    def fit(self, options: dict, recompute: bool = False, batch_from: dict = None, of: str = "peak") -> Fit:
         """The fit of one configuration: two depths at the sample's batch; the batch terms from the same
-        configuration at another batch, or from ``batch_from`` (another configuration of the same precision)."""
+        configuration at another batch, or from ``batch_from`` (another configuration of the same precision).
+        ``of``: the measured quantity fitted (``"peak"``: RSS; ``"pool"``: MindSpore's memory pool)."""
         d1, d2 = self.depths
         b, b2 = self.batch, _other_batch(self.batch)
         src = options if batch_from is None else batch_from
+
+        def measured(*runs):
+            return [replace(m, peak=getattr(m, of)) for m in self.measure(list(runs))]
+
         if self.network.cut is None:  # no repeated blocks: the whole network at two batches
-            m1, m2 = self.measure([(options, None, b, recompute), (src, None, b2, recompute)])
-            if batch_from is not None:
-                m1b, = self.measure([(src, None, b, recompute)])
-                per_sample = max(0.0, (m2.peak - m1b.peak) / (b2 - b))
-            else:
-                per_sample = max(0.0, (m2.peak - m1.peak) / (b2 - b))
-            return Fit(m1.peak - b * per_sample, 0.0, per_sample, 0.0, m1.traffic, 0.0)
-        lo, hi = self.measure([(options, d1, b, recompute), (options, d2, b, recompute)])
-        lo2, hi2 = self.measure([(src, d1, b2, recompute), (src, d2, b2, recompute)])
-        if batch_from is None:
-            return fit_bilinear([lo, hi, lo2, hi2])[0]
-        src_lo, src_hi = self.measure([(src, d1, b, recompute), (src, d2, b, recompute)])
+            m1, m2, m1_src = measured((options, None, b, recompute), (src, None, b2, recompute),
+                                      (src, None, b, recompute))
+            per_sample = max(0.0, (m2.peak - m1_src.peak) / (b2 - b))
+            return Fit(m1.peak - b * per_sample, 0.0, per_sample, 0.0, m1.traffic, 0.0, m1.micro_traffic, 0.0)
+        lo, hi, lo2, hi2, src_lo, src_hi = measured(
+            (options, d1, b, recompute), (options, d2, b, recompute), (src, d1, b2, recompute),
+            (src, d2, b2, recompute), (src, d1, b, recompute), (src, d2, b, recompute))
         batch_terms = with_batch_terms(fit_depth(src_lo, src_hi), b, (src_lo, src_hi), (lo2, hi2))
         own = fit_depth(lo, hi)
         return Fit(own.c0 - b * batch_terms.a0, own.c1 - b * batch_terms.a1, batch_terms.a0, batch_terms.a1,
-                   own.t0, own.t1)
+                   own.t0, own.t1, own.u0, own.u1)
 
     def predict(self, options: dict, recompute: bool = False, batch: int = None, accumulation: int = None,
                 batch_from: dict = None) -> Prediction:
@@ -377,6 +398,7 @@ class Planner:
         from ..core.estimate import estimate_memory
 
         fit = self.fit(options, recompute, batch_from)
+        pool = self.fit(options, recompute, batch_from, of="pool")
         batch = self.batch if batch is None else batch
         accumulation = accumulation or int(options.get("gradient_accumulation_steps", 1) or 1)
         depth = self.network.depth if self.network.cut is not None else 0
@@ -403,7 +425,7 @@ class Planner:
                      framework=peak - states - transient - acts)
         opts = {**options, **({"recompute": True} if recompute else {})}
         return Prediction(opts, self.world_size, self.network.depth, batch, accumulation, peak, parts,
-                          fit.traffic(depth), fit)
+                          fit.traffic(depth, accumulation), fit, pool=pool.peak(depth, batch))
 
     def close(self):
         self._tmp.cleanup()
@@ -514,7 +536,7 @@ def plan(factory, sample, world_size: int, budget, *, stages=(0, 1, 2, 3), param
                     network=dict(factory=planner.ref, blocks=net.depth, block_list=net.list_name,
                                  block_parameters=net.block_numel, world_size=world_size, batch=planner.batch,
                                  sample=planner.sample),
-                    largest_depth={p.label: p.fit.largest_depth(budget, p.batch) for p in preds
+                    largest_depth={p.label: net.largest(p.fit, budget, p.batch) for p in preds
                                    if net.cut is not None and p.accumulation == 1})
     finally:
         planner.close()
@@ -572,8 +594,9 @@ def main(argv=None) -> int:
           f"(calibrated in {time.time() - started:.0f} s)\n")
     print(result["table"])
     if result["largest_depth"]:
-        print("\nlargest depth within the budget (blocks of this width): " +
-              ", ".join(f"{k}: {v}" for k, v in result["largest_depth"].items()))
+        print("\nlargest depth within the budget (blocks of this width):")
+        for k, v in result["largest_depth"].items():
+            print(f"  {k}: {v['blocks']} blocks, {v['parameters'] / 1e9:.3f}B parameters")
     print(f"\nrecommended: {result['best'].label}: {result['reason']}")
     if a.json:
         Path(a.json).write_text(json.dumps(dict(network=net, budget=result["budget"], reason=result["reason"],
