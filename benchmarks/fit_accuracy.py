@@ -43,7 +43,10 @@ def options_of(config: str, units: str) -> dict:
     return out
 
 
-def measure(factory, kwargs, sample, batch, options, world, out, timeout):
+def measure(factory, kwargs, sample, batch, options, world, out, timeout, reuse=False):
+    if reuse and all((out / f"rank_{r}.json").exists() for r in range(world)):
+        ranks = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(world)]
+        return max(r["peak"] for r in ranks), ranks
     spec = dict(factory=factory, factory_kwargs=kwargs, options=options,
                 sample=[dict(shape=list(s), dtype=d) for s, d in sample], batch=batch, steps=3)
     msrun(ROOT / "benchmarks" / "fit_worker.py", world, out, args=["--spec", json.dumps(spec)], timeout=timeout)
@@ -88,6 +91,7 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/fit_accuracy")
     ap.add_argument("--jobs", type=int, default=2, help="rehearsals at once")
     ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--reuse", action="store_true", help="reuse the measured launches under --out (predict again)")
     a = ap.parse_args(argv)
     from mindzero.engine.fit import Planner
 
@@ -111,7 +115,7 @@ def main(argv=None):
                 pred = planner.predict(o, batch_from={"zero_stage": 0})
                 t = time.time()
                 peak, ranks = measure(factory, kwargs, sample, planner.batch, o, world, out / f"w{world}_{name}_{config}",
-                                      a.timeout)
+                                      a.timeout, a.reuse)
                 row = dict(model=name, config=config, world=world, options=o, predicted_mib=pred.peak / MIB,
                            measured_mib=peak / MIB, error=pred.peak / peak - 1,
                            parts_mib={k: v / MIB for k, v in pred.parts.items()}, wire_mib=pred.wire_bytes / MIB,

@@ -171,6 +171,29 @@ def config_label(options: dict, accumulation: int = 1) -> str:
     return ", ".join(out)
 
 
+def keeps_gathers(options: dict) -> bool:
+    """Whether a rehearsal of ``options`` may hold what a run re-gathers: stage 3's exact per-parameter gathers
+    with ``stage3_regather`` (the default). A run recomputes each gather in backward, where the collective's
+    ordering places it, and frees the forward's full parameters. The rehearsal's local stand-in is recomputed
+    too, but on some graphs it runs early, so its memory pool keeps the gathered parameters from forward to
+    backward (measured: the example GPT at width 768, 4 ranks: the pool 384 MiB at 8 blocks against a run's 192;
+    mindcv's ViT: the rehearsal re-gathers as a run does). :func:`kept_gathers_per_block` measures it."""
+    return (int(options.get("zero_stage", 0)) == 3 and options.get("stage3_regather", True) is not False
+            and not options.get("gather_units") and not options.get("gather_quantization"))
+
+
+def kept_gathers_per_block(regather, plain, block_bytes: float) -> float:
+    """Bytes per block a rehearsal kept that a run re-gathers: ``block_bytes`` (a block's gathered parameters)
+    less what re-gathering saved in the rehearsal's memory pool, the per-block growth of its pool without
+    re-gather (``plain``: two depths) less with it (``regather``: the same two depths); between 0 and
+    ``block_bytes``."""
+    (lo, hi), (plo, phi) = regather, plain
+    if (lo.depth, hi.depth) != (plo.depth, phi.depth) or lo.depth == hi.depth:
+        raise ValueError("kept_gathers_per_block: need the same two depths with and without re-gather")
+    saved = ((phi.pool - plo.pool) - (hi.pool - lo.pool)) / (hi.depth - lo.depth)
+    return min(max(block_bytes - saved, 0.0), block_bytes)
+
+
 def transient_bytes(full_gradient_bytes: int, persistent_gradient_bytes: int, stage: int, block_bytes: int,
                     regather: bool = True) -> int:
     """What a step holds beyond the persistent states, by the formulas: the gradients of one step where no

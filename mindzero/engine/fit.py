@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.fit import (GIB, MIB, Fit, Measurement, Prediction, accumulation_choices, fit_depth,
-                        parse_bytes, recommend, table, transient_bytes, with_batch_terms)
+from ..core.fit import (GIB, MIB, Fit, Measurement, Prediction, accumulation_choices, fit_depth, keeps_gathers,
+                        kept_gathers_per_block, parse_bytes, recommend, table, transient_bytes, with_batch_terms)
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 STEPS = 2  # steps each rehearsal runs: the first compiles, the second is a steady step
@@ -277,6 +277,12 @@ class Network:
         self.optimizer = opt
 
 
+    def gathered_bytes(self, options: dict) -> float:
+        """Bytes of one block's parameters as stage 3 gathers them (in ``param_dtype`` when given)."""
+        if options.get("param_dtype"):
+            return self.block_numel * np.dtype(str(options["param_dtype"]).replace("bfloat16", "float16")).itemsize
+        return self.block_bytes
+
     def largest(self, fit: Fit, budget: float, batch: int) -> dict:
         """The most blocks (and the parameters of that network) whose predicted peak fits ``budget``."""
         blocks = fit.largest_depth(budget, batch)
@@ -376,17 +382,23 @@ class Planner:
         b, b2 = self.batch, _other_batch(self.batch)
         src = options if batch_from is None else batch_from
 
-        def measured(*runs):
-            return [replace(m, peak=getattr(m, of)) for m in self.measure(list(runs))]
+        def measured(opts, depths, batch):
+            ms = self.measure([(opts, d, batch, recompute) for d in depths])
+            if of != "peak":
+                return [replace(m, peak=getattr(m, of)) for m in ms]
+            if keeps_gathers(opts) and len(ms) == 2:  # what the rehearsal kept that a run re-gathers
+                plain = self.measure([({**opts, "stage3_regather": False}, d, batch, recompute) for d in depths])
+                kept = kept_gathers_per_block(ms, plain, self.network.gathered_bytes(opts))
+                ms = [replace(m, peak=m.peak - kept * (m.depth - depths[0])) for m in ms]
+            return ms
 
         if self.network.cut is None:  # no repeated blocks: the whole network at two batches
-            m1, m2, m1_src = measured((options, None, b, recompute), (src, None, b2, recompute),
-                                      (src, None, b, recompute))
+            (m1,), (m2,), (m1_src,) = measured(options, [None], b), measured(src, [None], b2), measured(src, [None], b)
             per_sample = max(0.0, (m2.peak - m1_src.peak) / (b2 - b))
             return Fit(m1.peak - b * per_sample, 0.0, per_sample, 0.0, m1.traffic, 0.0, m1.micro_traffic, 0.0)
-        lo, hi, lo2, hi2, src_lo, src_hi = measured(
-            (options, d1, b, recompute), (options, d2, b, recompute), (src, d1, b2, recompute),
-            (src, d2, b2, recompute), (src, d1, b, recompute), (src, d2, b, recompute))
+        lo, hi = measured(options, (d1, d2), b)
+        lo2, hi2 = measured(src, (d1, d2), b2)
+        src_lo, src_hi = measured(src, (d1, d2), b)
         batch_terms = with_batch_terms(fit_depth(src_lo, src_hi), b, (src_lo, src_hi), (lo2, hi2))
         own = fit_depth(lo, hi)
         return Fit(own.c0 - b * batch_terms.a0, own.c1 - b * batch_terms.a1, batch_terms.a0, batch_terms.a1,
@@ -428,7 +440,11 @@ class Planner:
                           fit.traffic(depth, accumulation), fit, pool=pool.peak(depth, batch))
 
     def close(self):
+        import gc
+
         self._tmp.cleanup()
+        self.network.net = self.network.optimizer = None  # MindSpore's Cells complain when collected at exit
+        gc.collect()
 
 
 def predict_peak(factory, sample, world_size: int, zero_stage: int = 0, *, depths=DEFAULT_DEPTHS,
