@@ -384,13 +384,11 @@ class Planner:
 
         def measured(opts, depths, batch):
             ms = self.measure([(opts, d, batch, recompute) for d in depths])
-            if of != "peak":
-                return [replace(m, peak=getattr(m, of)) for m in ms]
+            kept = 0.0
             if keeps_gathers(opts) and len(ms) == 2:  # what the rehearsal kept that a run re-gathers
                 plain = self.measure([({**opts, "stage3_regather": False}, d, batch, recompute) for d in depths])
                 kept = kept_gathers_per_block(ms, plain, self.network.gathered_bytes(opts))
-                ms = [replace(m, peak=m.peak - kept * (m.depth - depths[0])) for m in ms]
-            return ms
+            return [replace(m, peak=getattr(m, of) - kept * (m.depth - depths[0])) for m in ms]
 
         if self.network.cut is None:  # no repeated blocks: the whole network at two batches
             (m1,), (m2,), (m1_src,) = measured(options, [None], b), measured(src, [None], b2), measured(src, [None], b)
