@@ -305,7 +305,7 @@ def _sample_spec(sample, tmp: Path):
         return [dict(shape=list(a.shape), dtype=str(a.dtype)) for a in arrays], str(path), int(arrays[0].shape[0])
     out = []
     for item in sample:
-        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], (list, tuple))):
             raise ValueError(f"sample item {item!r}: expected (shape, dtype), e.g. ((8, 64), 'int32')")
         shape, dtype = tuple(int(d) for d in item[0]), str(np.dtype(str(item[1]).replace("mindspore.", "")))
         if not shape or shape[0] < 1:
@@ -388,7 +388,7 @@ class Planner:
             if keeps_gathers(opts) and len(ms) == 2:  # what the rehearsal kept that a run re-gathers
                 plain = self.measure([({**opts, "stage3_regather": False}, d, batch, recompute) for d in depths])
                 kept = kept_gathers_per_block(ms, plain, self.network.gathered_bytes(opts))
-            return [replace(m, peak=getattr(m, of) - kept * (m.depth - depths[0])) for m in ms]
+            return [replace(m, peak=getattr(m, of) - (kept * (m.depth - depths[0]) if kept else 0)) for m in ms]
 
         if self.network.cut is None:  # no repeated blocks: the whole network at two batches
             (m1,), (m2,), (m1_src,) = measured(options, [None], b), measured(src, [None], b2), measured(src, [None], b)

@@ -34,14 +34,31 @@ def test_the_repeated_blocks_are_found_and_cut(planner):
 
 
 def test_the_prediction_extrapolates_the_rehearsals_and_its_parts_add_up(planner):
-    pred = planner.predict({"zero_stage": 3})
-    ms = planner.measure([({"zero_stage": 3}, d, 2, False) for d in planner.depths])
+    pred = planner.predict({"zero_stage": 2})
+    ms = planner.measure([({"zero_stage": 2}, d, 2, False) for d in planner.depths])
     assert all(m.peak > 50 * MIB for m in ms), "a compiled step costs a rank tens of MiB at least"
     assert pred.fit.peak(1, 2) == pytest.approx(ms[0].peak) and pred.fit.peak(2, 2) == pytest.approx(ms[1].peak)
     assert pred.peak == pytest.approx(pred.fit.peak(4, 2)) and pred.peak > ms[1].peak
     assert sum(pred.parts.values()) == pytest.approx(pred.peak)
-    est = mindzero.estimate_memory(planner.network.net, 3, 2, n_states=2)
+    est = mindzero.estimate_memory(planner.network.net, 2, 2, n_states=2, gradient_accumulation=False)
     assert pred.parts["model_states"] == est["total"]
+
+
+def test_stage_3_takes_off_what_the_rehearsal_kept_that_a_run_regathers(planner):
+    """The fit of stage 3 with re-gather passes through the smallest replica and, per block above it, the
+    replicas' growth less what the rehearsal kept (mindzero.core.fit.kept_gathers_per_block: the block's
+    gathered bytes less the saving its memory pool shows against the same replicas without re-gather)."""
+    from mindzero.core.fit import kept_gathers_per_block
+
+    opts, plain = {"zero_stage": 3}, {"zero_stage": 3, "stage3_regather": False}
+    ms = planner.measure([(opts, d, 2, False) for d in planner.depths])
+    flat = planner.measure([(plain, d, 2, False) for d in planner.depths])
+    kept = kept_gathers_per_block(ms, flat, planner.network.gathered_bytes(opts))
+    assert 0 <= kept <= planner.network.block_bytes == planner.network.block_numel * 4
+    fit = planner.predict(opts).fit
+    assert fit.peak(1, 2) == pytest.approx(ms[0].peak)
+    assert fit.peak(2, 2) == pytest.approx(ms[1].peak - kept)
+    assert planner.predict(plain).fit.peak(2, 2) == pytest.approx(flat[1].peak), "no re-gather: nothing kept"
 
 
 def test_the_wire_bytes_extrapolate_exactly_to_the_full_networks_plan(planner):
