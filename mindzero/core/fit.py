@@ -194,14 +194,13 @@ def kept_gathers_per_block(regather, plain, block_bytes: float) -> float:
     return min(max(block_bytes - saved, 0.0), block_bytes)
 
 
-def transient_bytes(full_gradient_bytes: int, persistent_gradient_bytes: int, stage: int, block_bytes: int,
-                    regather: bool = True) -> int:
-    """What a step holds beyond the persistent states, by the formulas: the gradients of one step where no
-    persistent buffer holds them (stages 0-1: every full gradient at once; stage 2: reduced where produced, so
-    about one block's), and at stage 3 one block's gathered parameters in forward and (regather) again in
-    backward."""
+def transient_bytes(full_gradient_bytes: int, stage: int, block_bytes: int, regather: bool = True) -> int:
+    """What a step holds beyond the persistent states, by the formulas: the gradients of one step (stages 0-1:
+    every full gradient at once, added into the accumulation buffers when there are any; stage 2: reduced where
+    produced, so about one block's), and at stage 3 one block's gathered parameters in forward and (regather)
+    again in backward."""
     if stage <= 1:
-        return max(0, full_gradient_bytes - persistent_gradient_bytes)
+        return full_gradient_bytes
     grads = block_bytes
     gathered = block_bytes * (2 if regather else 1) if stage == 3 else 0
     return grads + gathered

@@ -428,7 +428,7 @@ class Planner:
         states = est["total"]
         grad_item = 2 if (options.get("param_dtype") or options.get("reduce_dtype")) else 4
         full_grads = est["phi"] * grad_item
-        transient = transient_bytes(full_grads, est["gradients"], stage, self.network.block_bytes,
+        transient = transient_bytes(full_grads, stage, self.network.block_bytes,
                                     options.get("stage3_regather", True))
         acts = fit.activations(depth, batch)
         parts = dict(model_states=states, transient=transient, activations=acts,

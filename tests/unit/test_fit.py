@@ -118,23 +118,7 @@ def test_accumulation_choices_split_the_batch_evenly():
 
 def test_transient_follows_the_stage():
     full, block = 400, 30
-    assert transient_bytes(full, 0, 0, block) == 400, "stages 0-1: every gradient of the step at once"
-    assert transient_bytes(full, 400, 1, block) == 0, "an accumulation buffer already holds them"
-    assert transient_bytes(full, 0, 2, block) == 30, "stage 2: reduced where produced"
-    assert transient_bytes(full, 0, 3, block) == 90 and transient_bytes(full, 0, 3, block, regather=False) == 60
-
-
-def test_kept_gathers_are_the_block_bytes_regather_did_not_save_in_the_pool():
-    from mindzero.core.fit import keeps_gathers, kept_gathers_per_block
-
-    regather = [Measurement(1, 2, 0, pool=100), Measurement(2, 2, 0, pool=110)]
-    saved_all = [Measurement(1, 2, 0, pool=100), Measurement(2, 2, 0, pool=140)]  # no re-gather: +40 a block
-    saved_none = [Measurement(1, 2, 0, pool=100), Measurement(2, 2, 0, pool=110)]
-    assert kept_gathers_per_block(regather, saved_all, 30) == 0, "the pool saved the block's 30 bytes and more"
-    assert kept_gathers_per_block(regather, saved_none, 30) == 30, "saved nothing: the rehearsal kept it all"
-    assert kept_gathers_per_block(regather, [Measurement(1, 2, 0, pool=100), Measurement(2, 2, 0, pool=122)],
-                                  30) == 18
-    with pytest.raises(ValueError, match="same two depths"):
-        kept_gathers_per_block(regather, [Measurement(1, 2, 0), Measurement(3, 2, 0)], 30)
-    assert keeps_gathers({"zero_stage": 3}) and not keeps_gathers({"zero_stage": 3, "stage3_regather": False})
-    assert not keeps_gathers({"zero_stage": 3, "gather_units": "b.*"}) and not keeps_gathers({"zero_stage": 2})
+    assert transient_bytes(full, 0, block) == 400 == transient_bytes(full, 1, block), \
+        "stages 0-1: every gradient of the step at once"
+    assert transient_bytes(full, 2, block) == 30, "stage 2: reduced where produced"
+    assert transient_bytes(full, 3, block) == 90 and transient_bytes(full, 3, block, regather=False) == 60
