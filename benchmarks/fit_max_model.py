@@ -45,6 +45,7 @@ def main(argv=None):
     ap.add_argument("--ladder", default=str(ROOT / "docs" / "img" / "max_model_results.json"))
     ap.add_argument("--out", default="runs/fit_max_model")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--margin", type=float, default=0.0, help="mindzero-plan's margin (0: the prediction itself)")
     a = ap.parse_args(argv)
     from mindzero.engine.fit import plan
 
@@ -55,7 +56,7 @@ def main(argv=None):
     kwargs = dict(vocab=args["vocab"], dim=args["dim"], layers=8, heads=args["heads"], seq=args["seq"])
     sample = [((args["batch"], args["seq"]), "int32")] * 2
     result = plan("fit_models:gpt", sample, args["world"], budget, stages=(0, 2, 3), quantization=False,
-                  jobs=a.jobs, progress=lambda m: print(m, flush=True), factory_kwargs=kwargs)
+                  jobs=a.jobs, progress=lambda m: print(m, flush=True), factory_kwargs=kwargs, margin=a.margin)
     print(result["table"])
     rows = []
     for config, label in CONFIGS.items():
@@ -67,7 +68,7 @@ def main(argv=None):
                          predicted_parameters=pred["parameters"], ladder_layers=best["layers"],
                          ladder_parameters=best["phi"], next_failed_layers=min(failed) if failed else None,
                          ratio=pred["parameters"] / best["phi"]))
-    lines = [f"per-rank budget: {how}", "",
+    lines = [f"per-rank budget: {how}; margin {a.margin:.0%}", "",
              "| config | predicted largest | parameters | ladder's largest that trains | parameters | next size (fails) | "
              "predicted / ladder |", "|---|---|---|---|---|---|---|"]
     for r in rows:

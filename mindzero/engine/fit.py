@@ -38,6 +38,7 @@ PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 STEPS = 2  # steps each rehearsal runs: the first compiles, the second is a steady step
 MICRO_PHASES = ("forward", "backward")  # collectives every micro-step repeats (mindzero.core.comm_plan.Call.phase)
 DEFAULT_DEPTHS = (1, 2)
+DEFAULT_MARGIN = 0.10  # what a prediction may be off: the largest error measured is 7.2% (docs/performance.md)
 
 
 # --- the factory, by reference ---------------------------------------------------------------------------
@@ -501,14 +502,15 @@ def candidates(stages=(0, 1, 2, 3), param_dtype=None, units_pattern=None, quanti
 
 def plan(factory, sample, world_size: int, budget, *, stages=(0, 1, 2, 3), param_dtype=None, recompute=False,
          global_batch: int = None, quantization: bool = True, depths=DEFAULT_DEPTHS, jobs: int = 2,
-         timeout: float = 900, progress=None, factory_kwargs: dict = None) -> dict:
+         timeout: float = 900, progress=None, factory_kwargs: dict = None, margin: float = DEFAULT_MARGIN) -> dict:
     """The configurations that fit ``budget`` (bytes per rank above the RSS before building, or ``"5GiB"``), and
     the one to use: the fewest bytes on the wire among those that fit.
 
     Weighs stages 0-3, stage 3's per-block gathers, int8 gathers and no re-gather, ``param_dtype`` (when given),
     recompute of the repeated blocks (``recompute=True`` adds each configuration with it) and, with
     ``global_batch`` (samples per rank per optimizer step), gradient accumulation over equal micro-batches
-    (predicted from the batch terms of the fit: no more rehearsals).
+    (predicted from the batch terms of the fit: no more rehearsals). A configuration fits when its prediction
+    times ``1 + margin`` is within the budget (default 10%: the largest error measured, docs/performance.md).
 
     Returns:
         ``{"predictions": [Prediction], "best": Prediction, "reason": str, "table": str, "largest_depth": {label:
@@ -518,6 +520,9 @@ def plan(factory, sample, world_size: int, budget, *, stages=(0, 1, 2, 3), param
         ValueError: nothing fits (naming the smallest peak found), or bad arguments.
     """
     budget = parse_bytes(budget)
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin={margin!r}: must be a fraction in [0, 1), e.g. 0.1 for 10%")
+    usable = budget / (1 + margin)  # what a prediction may reach
     planner = Planner(factory, sample, world_size, depths, jobs, timeout, progress, factory_kwargs)
     try:
         net = planner.network
@@ -543,14 +548,15 @@ def plan(factory, sample, world_size: int, budget, *, stages=(0, 1, 2, 3), param
                 for k, micro in choices:
                     preds.append(planner.predict(opts, rc, micro, k, batch_from=src))
         try:
-            best, reason = recommend(preds, budget)
+            best, reason = recommend(preds, usable)
         except ValueError as err:
-            raise ValueError(f"{err}\n{table(preds, budget)}") from None
-        return dict(predictions=preds, best=best, reason=reason, table=table(preds, budget), budget=budget,
+            raise ValueError(f"{err} (the budget less the {margin:.0%} margin)\n{table(preds, usable)}") from None
+        return dict(predictions=preds, best=best, reason=reason, table=table(preds, usable), budget=budget,
+                    usable=usable, margin=margin,
                     network=dict(factory=planner.ref, blocks=net.depth, block_list=net.list_name,
                                  block_parameters=net.block_numel, world_size=world_size, batch=planner.batch,
                                  sample=planner.sample),
-                    largest_depth={p.label: net.largest(p.fit, budget, p.batch) for p in preds
+                    largest_depth={p.label: net.largest(p.fit, usable, p.batch) for p in preds
                                    if net.cut is not None and p.accumulation == 1})
     finally:
         planner.close()
@@ -582,6 +588,9 @@ def main(argv=None) -> int:
                     help="one micro-batch's inputs per rank, e.g. 2x64:int32,2x64:int32 (dimension 0: the batch)")
     ap.add_argument("--world-size", type=int, required=True, help="ranks of the launch")
     ap.add_argument("--budget", required=True, help="memory per rank above the framework, e.g. 5GiB")
+    ap.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                    help="a configuration fits when its prediction times 1 + margin is within the budget "
+                    "(default %(default)s: the largest error measured)")
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--param-dtype", choices=["float16", "bfloat16"], help="also weigh mixed precision")
     ap.add_argument("--recompute", action="store_true", help="also weigh recomputing each repeated block")
@@ -598,13 +607,15 @@ def main(argv=None) -> int:
         result = plan(a.factory, a.sample, a.world_size, a.budget, stages=tuple(int(s) for s in a.stages.split(",")),
                       param_dtype=a.param_dtype, recompute=a.recompute, global_batch=a.global_batch,
                       quantization=not a.no_quantization, depths=tuple(int(d) for d in a.depths.split(",")),
-                      jobs=a.jobs, progress=lambda m: print(m, flush=True), factory_kwargs=a.factory_kwargs)
+                      jobs=a.jobs, progress=lambda m: print(m, flush=True), factory_kwargs=a.factory_kwargs,
+                      margin=a.margin)
     except ValueError as err:
         print(f"mindzero-plan: {err}", file=sys.stderr)
         return 2
     net = result["network"]
     print(f"\n{net['factory']}: {net['blocks'] or 'no'} repeated blocks ({net['block_list']}), {a.world_size} ranks, "
-          f"micro-batch {net['batch']}, budget {result['budget'] / GIB:.2f} GiB per rank "
+          f"micro-batch {net['batch']}, budget {result['budget'] / GIB:.2f} GiB per rank ({result['usable'] / GIB:.2f} "
+          f"GiB with the {result['margin']:.0%} margin) "
           f"(calibrated in {time.time() - started:.0f} s)\n")
     print(result["table"])
     if result["largest_depth"]:

@@ -91,6 +91,8 @@ def test_refusals_name_the_problem():
         Planner("tests.support.factories:broken", SAMPLE, 2)
     with pytest.raises(TypeError, match=r"must return \(net_with_loss, optimizer\)"):
         Planner("tests.support.factories:not_a_pair", SAMPLE, 2)
+    with pytest.raises(ValueError, match=r"margin=1.5: must be a fraction in \[0, 1\)"):
+        mindzero.plan(GPT, SAMPLE, 2, "4GiB", margin=1.5)
     with pytest.raises(ValueError, match="no configuration fits; the smallest predicted peak is"):
         mindzero.plan(GPT, SAMPLE, 2, "1MiB", stages=(0, 3), quantization=False)
 
