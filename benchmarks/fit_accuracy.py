@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from mindzero.core.fit import MIB  # noqa: E402
-from mindzero.launch.local import msrun  # noqa: E402
+from fit_worker import launch  # noqa: E402
 
 GPT_SAMPLE = [((2, 64), "int32"), ((2, 64), "int32")]
 VIT_SAMPLE = [((4, 3, 64, 64), "float32"), ((4,), "int32")]
@@ -44,13 +44,9 @@ def options_of(config: str, units: str) -> dict:
 
 
 def measure(factory, kwargs, sample, batch, options, world, out, timeout, reuse=False):
-    if reuse and all((out / f"rank_{r}.json").exists() for r in range(world)):
-        ranks = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(world)]
-        return max(r["peak"] for r in ranks), ranks
     spec = dict(factory=factory, factory_kwargs=kwargs, options=options,
                 sample=[dict(shape=list(s), dtype=d) for s, d in sample], batch=batch, steps=3)
-    msrun(ROOT / "benchmarks" / "fit_worker.py", world, out, args=["--spec", json.dumps(spec)], timeout=timeout)
-    ranks = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(world)]
+    ranks = launch(spec, world, out, timeout, reuse)
     return max(r["peak"] for r in ranks), ranks
 
 
@@ -97,7 +93,6 @@ def main(argv=None):
 
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     rows, start = [], time.time()
     for world in (int(w) for w in a.worlds.split(",")):
         for name in a.models.split(","):

@@ -27,6 +27,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
 
+from mindzero.core.host import reset_peak, status_kib  # noqa: E402,F401  (the benchmarks import them from here too)
+
 MODEL_DEFAULTS = {"vocab": 8192, "dim": 768, "layers": 14, "heads": 12, "seq": 64, "batch": 2}  # 105M parameters
 
 
@@ -39,19 +41,6 @@ def add_model_args(ap, **defaults) -> None:
 def model_args(a) -> list:
     """The same options back as command-line arguments, for a worker."""
     return [x for name in MODEL_DEFAULTS for x in (f"--{name}", str(getattr(a, name)))]
-
-
-def status_kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-def reset_peak() -> None:
-    """Start a new peak: ``VmHWM`` becomes the current RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 class Phases:

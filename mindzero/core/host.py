@@ -1,4 +1,4 @@
-"""Giving freed host memory back to the OS (pure: ctypes only).
+"""Host memory: giving freed memory back to the OS, and reading this process's RSS (pure: ctypes and ``/proc``).
 
 ``release_host_memory()`` asks glibc to return the free pages of its heap to the OS (``malloc_trim(0)``).
 MindSpore's graph compiler allocates and frees many small objects; glibc keeps the freed memory resident,
@@ -35,3 +35,19 @@ def release_host_memory() -> bool:
         return False
     lib.malloc_trim(ctypes.c_size_t(0))
     return True
+
+
+def status_kib(field: str) -> int:
+    """A field of ``/proc/self/status`` in KiB: ``VmRSS`` (resident now), ``VmHWM`` (the peak since the last
+    :func:`reset_peak`)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak() -> None:
+    """Start a new peak: ``VmHWM`` becomes the current RSS (``5`` to ``/proc/self/clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

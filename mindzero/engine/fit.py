@@ -33,6 +33,8 @@ import numpy as np
 
 from ..core.fit import (GIB, MIB, Fit, Measurement, Prediction, accumulation_choices, fit_depth, keeps_gathers,
                         kept_gathers_per_block, parse_bytes, recommend, table, transient_bytes, with_batch_terms)
+from ..core.host import reset_peak, status_kib
+from ..core.plan import dtype_bytes
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 STEPS = 2  # steps each rehearsal runs: the first compiles, the second is a steady step
@@ -92,6 +94,10 @@ class BlockLists:
 
     def __init__(self, cut: int = None, depth: int = None):
         self.cut, self.depth, self.found, self.kept = cut, depth, [], None
+
+    def largest(self) -> dict:
+        """The record of the list the planner cuts: the most parameters in all (blocks x a block's elements)."""
+        return max(self.found, key=lambda f: f["length"] * f["block_numel"])
 
     @staticmethod
     def _signature(cell):
@@ -159,13 +165,6 @@ def block_list_name(net, cells) -> str:
 
 
 # --- one rehearsal (in its own process) --------------------------------------------------------------------
-def _status_kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 def _batch(sample, batch: int, seed: int = 0) -> list:
     """The example inputs at micro-batch ``batch`` (dimension 0): arrays repeated or cut row-wise; shapes
     filled (integers 0, floats standard normal)."""
@@ -202,9 +201,8 @@ def rehearse_one(spec: dict) -> dict:
         loaded = np.load(spec["arrays"])
         sample = [{"array": loaded[f"a{i}"]} for i in range(len(loaded.files))]
     inputs = [Tensor(a) for a in _batch(sample, spec["batch"])]
-    rss0 = _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    rss0 = status_kib("VmRSS")
+    reset_peak()
     t = time.perf_counter()
     net, opt, lists = build(spec["factory"], spec.get("cut"), spec.get("depth"), spec.get("factory_kwargs"))
     if spec.get("recompute") and lists.kept is not None:
@@ -215,7 +213,7 @@ def rehearse_one(spec: dict) -> dict:
     for _ in range(STEPS):
         out = train(*inputs)
         out[0].asnumpy()
-    peak = (_status_kib("VmHWM") - rss0) * 1024
+    peak = (status_kib("VmHWM") - rss0) * 1024
     report = memory_report(train)
     calls = train.zero_info.real_calls
     return dict(peak=peak, states=sum(report[k] for k in KINDS), traffic=summarize(calls)["total"]["traffic"],
@@ -263,35 +261,29 @@ class Network:
         from .optim import optimizer_states
 
         net, opt, lists = build(ref, kwargs=kwargs)
-        self.ref = ref
         self.cut = self.depth = self.list_name = None
         self.block_numel, self.block_bytes = 0, 0
         if lists.found:
-            best = max(lists.found, key=lambda f: f["length"] * f["block_numel"])
+            best = lists.largest()
             self.cut, self.depth, self.list_name = best["index"], best["length"], block_list_name(net, best["cells"])
             self.block_numel = best["block_numel"]
-            self.block_bytes = sum(int(np.prod(p.shape)) * _itemsize(p) for p in best["cells"][0].get_parameters())
+            self.block_bytes = sum(int(np.prod(p.shape)) * dtype_bytes(p.dtype)
+                                   for p in best["cells"][0].get_parameters())
         self.n_states = len(optimizer_states(opt))
-        self.shapes = {p.name: tuple(p.shape) for p in net.get_parameters()}
-        self.numel = sum(int(np.prod(s)) for s in self.shapes.values())
+        self.numel = sum(int(np.prod(p.shape)) for p in net.get_parameters())
         self.net = net
         self.optimizer = opt
-
 
     def gathered_bytes(self, options: dict) -> float:
         """Bytes of one block's parameters as stage 3 gathers them (in ``param_dtype`` when given)."""
         if options.get("param_dtype"):
-            return self.block_numel * np.dtype(str(options["param_dtype"]).replace("bfloat16", "float16")).itemsize
+            return self.block_numel * dtype_bytes(options["param_dtype"])
         return self.block_bytes
 
     def largest(self, fit: Fit, budget: float, batch: int) -> dict:
         """The most blocks (and the parameters of that network) whose predicted peak fits ``budget``."""
         blocks = fit.largest_depth(budget, batch)
         return dict(blocks=blocks, parameters=self.numel + (blocks - self.depth) * self.block_numel)
-
-
-def _itemsize(p) -> int:
-    return np.dtype(str(p.dtype).lower().replace("bfloat16", "float16")).itemsize
 
 
 def _sample_spec(sample, tmp: Path):
@@ -343,7 +335,7 @@ class Planner:
         self.sample, self.arrays, self.batch = _sample_spec(sample, Path(self._tmp.name))
         self.network = Network(self.ref, self.factory_kwargs)
         if self.network.depth is not None and self.network.depth < self.depths[1]:
-            self.depths = (1, self.network.depth) if self.network.depth > 1 else self.depths
+            self.depths = (1, self.network.depth)  # a repeated list has at least 2 blocks
         self._cache = {}
 
     def _spec(self, options, depth, batch, recompute) -> dict:
@@ -421,11 +413,7 @@ class Planner:
                                                          "stage3_model_persistence_threshold") if k in options})
         peak = fit.peak(depth, batch)
         if accumulation > 1 and int(options.get("gradient_accumulation_steps", 1) or 1) == 1:
-            # calibrated without accumulation: add the persistent gradient buffers it allocates
-            without = estimate_memory(self.network.net, stage, self.world_size, n_states=self.network.n_states,
-                                      gradient_accumulation=False,
-                                      **{k: options[k] for k in ("param_dtype", "reduce_dtype") if k in options})
-            peak += est["gradients"] - without["gradients"]
+            peak += est["gradients"]  # calibrated without accumulation: add the gradient buffers it allocates
         states = est["total"]
         grad_item = 2 if (options.get("param_dtype") or options.get("reduce_dtype")) else 4
         full_grads = est["phi"] * grad_item

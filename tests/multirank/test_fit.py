@@ -3,15 +3,16 @@ small GPT (stage 0 and stage 3) within 15% of the highest rank's measured peak (
 machine: benchmarks/fit_accuracy.py holds 10% on a quiet one, docs/performance.md). Each configuration is its own
 launch of ``benchmarks/fit_worker.py`` (the network built under ``lazy_init`` as the planner builds it, three
 steps), so each process's memory is that configuration's alone."""
-import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from mindzero.engine.fit import Planner
-from mindzero.launch.local import msrun
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from fit_worker import launch  # noqa: E402  (the worker the benchmark launches, and its launcher)
+
 N = 2
 GPT = "tests.support.factories:tiny_gpt"
 KWARGS = dict(vocab=4096, dim=256, layers=6, heads=8, seq=32)
@@ -31,8 +32,7 @@ def test_the_predicted_peak_is_within_15_percent_of_a_real_launch(planner, optio
     pred = planner.predict(options)
     spec = dict(factory=GPT, factory_kwargs=KWARGS, options=options, batch=planner.batch, steps=3,
                 sample=planner.sample)
-    msrun(ROOT / "benchmarks" / "fit_worker.py", N, tmp_path, args=["--spec", json.dumps(spec)], timeout=600)
-    peaks = [json.loads((tmp_path / f"rank_{r}.json").read_text())["peak"] for r in range(N)]
+    peaks = [r["peak"] for r in launch(spec, N, tmp_path, timeout=600)]
     measured = max(peaks)
     assert measured > 100 * 2 ** 20, peaks  # a compiled step: not an empty measurement
     assert abs(pred.peak / measured - 1) <= BOUND, (pred.peak / 2 ** 20, measured / 2 ** 20, pred.parts)
