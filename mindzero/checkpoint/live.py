@@ -57,9 +57,10 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
     net_params = network_values(train_net)
     for spec in info.plan:
         add(spec.name, "parameter", spec.name, net_params[spec.name])
+    disk = info.offload  # optimizer_offload="disk": the states are read from (and loaded into) its file
     for attr in info.state_attrs:
-        for param_name, p in zip(info.opt_param_names, getattr(train_net.optimizer, attr)):
-            add(p.name, "optimizer_state", param_name, p)
+        for i, (param_name, p) in enumerate(zip(info.opt_param_names, getattr(train_net.optimizer, attr))):
+            add(p.name, "optimizer_state", param_name, disk.state(attr, i) if disk is not None else p)
     if info.precision.enabled:  # the fp32 masters: not derivable from the param_dtype copies
         for param_name, p in zip(info.opt_param_names, train_net.optimizer.parameters):
             add(p.name, "master", param_name, p)
@@ -68,7 +69,9 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
             add(p.name, "ema", param_name, p)
     taken = {id(p) for _, p in out}
     rests = [pair.held for pair in info.split_pairs]  # saved within their parameters' full values
-    skip = {id(p) for p in (*info.master_shards, *rests, *info.accum_buffers, *train_net.optimizer.parameters)} | taken
+    scratch = (*disk.placeholders, *disk.grads) if disk is not None else ()  # stand-ins, gradients between steps
+    skip = {id(p) for p in (*info.master_shards, *rests, *info.accum_buffers, *train_net.optimizer.parameters,
+                            *scratch)} | taken
     for p in train_net.get_parameters():
         if id(p) not in skip:
             add(p.name, "scalar", "", p)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from .checks import is_int, is_number, require_bool, require_int
+from .offload import OffloadPolicy
 from .options import ARGUMENT_DEFAULTS
 from .quant import GatherQuantization
 from .units import GatherUnits
@@ -377,8 +378,9 @@ class ZeroConfig:
     ema: Optional[EmaPolicy] = None
     fusion: "FusionConfig" = None  # None: FusionConfig() (no fusion)
     groups: GroupPolicy = field(default_factory=GroupPolicy)
-    optimizer_offload: bool = False
+    optimizer_offload: object = False  # False, True / "host", "disk": offload.tier says which
     stage3: Stage3Policy = field(default_factory=Stage3Policy)
+    offload: OffloadPolicy = None  # None: OffloadPolicy.parse(optimizer_offload)
 
     def __post_init__(self):
         if self.precision is None:
@@ -393,8 +395,15 @@ class ZeroConfig:
             raise ValueError(f"ema must be None or an EmaPolicy, got {self.ema!r}")
         stage_policy(self.zero_stage)
         require_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
-        for name in ("clip_grad", "drop_overflow_update", "verbose", "optimizer_offload"):
+        for name in ("clip_grad", "drop_overflow_update", "verbose"):
             require_bool(name, getattr(self, name))
+        if self.offload is None:
+            object.__setattr__(self, "offload", OffloadPolicy.parse(self.optimizer_offload))
+        if not isinstance(self.offload, OffloadPolicy):
+            raise ValueError(f"offload must be an OffloadPolicy, got {self.offload!r}")
+        if self.offload.disk and self.zero_stage == 0:
+            raise ValueError("optimizer_offload='disk' needs zero_stage 1, 2 or 3 (each rank streams its shard of the "
+                             "optimizer states from disk); got zero_stage=0")
         if not is_number(self.clip_norm) or not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be a number > 0, got {self.clip_norm!r}")
         self.stage3.check_stage(self.zero_stage)
@@ -436,6 +445,8 @@ class ZeroConfig:
                           fusion=parse_comm_fusion(a["comm_fusion"]),
                           groups=GroupPolicy(a["optimizer_parallel_group"], a["dp_group"], a["hybrid_shard_size"]),
                           optimizer_offload=a["optimizer_offload"],
+                          offload=OffloadPolicy.parse(a["optimizer_offload"], a["offload_dir"], a["offload_chunk_mb"],
+                                                      a["offload_keep"]),
                           stage3=Stage3Policy(a["stage3_regather"], a["shard_frozen"],
                                               GatherQuantization.parse(a["gather_quantization"]),
                                               GatherUnits.parse(a["gather_units"]),

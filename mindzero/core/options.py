@@ -34,7 +34,7 @@ OPTIONS = (
     Option("clip_norm", 1.0, "a number > 0"),
     Option("verbose", False, "a bool"),
     Option("zero_stage", 0, "0, 1, 2 or 3"),
-    Option("optimizer_offload", False, "a bool"),
+    Option("optimizer_offload", False, "a bool, `\"host\"` (= `True`) or `\"disk\"` (stages 1-3, with `offload_dir`)"),
     Option("optimizer_parallel_group", None, "`None` or a group name", in_settings=False),
     Option("dp_group", None, "`None` or a group name", in_settings=False),
     Option("comm_fusion", None, "`None` or `{kind: {openstate, bucket_size}}` for the kinds allreduce, reduce_scatter, allgather"),
@@ -49,6 +49,10 @@ OPTIONS = (
            "an int >= 0: parameters of fewer elements are kept whole (stage 3; 0: shard every parameter)"),
     Option("stage3_model_persistence_threshold", None,
            "`None` (1% of the model's elements) or an int >= 0: the most elements kept whole in all (stage 3)"),
+    Option("offload_dir", None, "`None` or a directory (with `optimizer_offload=\"disk\"`): each rank's state file "
+                                "goes in `rank_<r>/` under it"),
+    Option("offload_chunk_mb", 8, "a number > 0: MiB of optimizer states streamed per piece (disk offload)"),
+    Option("offload_keep", False, "a bool: leave the state files at exit (disk offload)"),
     Option("hybrid_shard_size", None, "`None` or an int >= 1: ranks per op group", argument=False),
 )
 #: option name -> default

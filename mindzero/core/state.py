@@ -105,6 +105,7 @@ class ZeroState:
     # mindzero.core.comm_plan.Call per collective of one optimizer step (comm_plan.state_calls, filled at assembly):
     calls: tuple = ()  # as this world runs them
     real_calls: tuple = ()  # with real reduce-scatter and sub-group collectives (what GPU/Ascend run)
+    offload: object = None  # optimizer_offload="disk": mindzero.engine.offload.DiskOffload (the states' file)
 
     @property
     def fusion(self):

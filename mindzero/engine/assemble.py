@@ -17,6 +17,7 @@ from ..core.state import MasterPair, ParamState, ZeroState
 from ..core.topology import World
 from .consistency import check_same_plan, check_same_values
 from .materialize import make_shard, materialize
+from .offload import DiskOffload
 from .optim import check_optimizer, offload_update, optimizer_states, repoint_optimizer, shard_optimizer
 from .split import FullView, split_layout, split_network_parameters, splittable
 from .stage3 import check_pynative_recompute, shard_network_parameters
@@ -35,7 +36,7 @@ def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
     policy, precision = config.policy, config.precision
     check_optimizer(optimizer, {p.name: p for p in network.get_parameters()}, policy.shard_optimizer_states,
                     world.device)
-    if config.optimizer_offload:
+    if config.offload.host:
         offload_update(optimizer)
     plan = build_plan(network, optimizer, world, config)
     check_same_plan(plan, world, config.zero_stage)
@@ -52,7 +53,7 @@ def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
                       ms.float32 if precision.enabled else None)
     regather = config.stage3.for_mode(ms.get_context("mode") == ms.GRAPH_MODE).regather
     state = ZeroState(config, world, plan, params, micro, boundary, gather, sharded.state_attrs, scale_sense, manager,
-                      ema, regather, tuple(sharded.units))
+                      ema, regather, tuple(sharded.units), offload=sharded.offload)
     state.calls, state.real_calls = state_calls(state)
     return state
 
@@ -93,6 +94,7 @@ class _Sharded:
     state_attrs: tuple
     digests: dict
     units: list
+    offload: object = None
 
 
 def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: PartitionPlan, params: tuple) -> _Sharded:
@@ -136,8 +138,14 @@ def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: Par
                 ps.target = Parameter(Tensor(ps.weight.asnumpy(), ms.float32), name="zero_master." + ps.name)
                 ps.master = MasterPair(ps.target, ps.weight, False)
     targets = [ps.target for ps in params]
+    offload = None
+    if config.offload.disk:  # the file first (directory and space checked), then each state written as it is made
+        offload = DiskOffload(optimizer, optimizer_states(optimizer),
+                              [ps.spec.shard_size if ps.sharded else ps.spec.numel for ps in params], config.offload,
+                              world.world_rank)
     if policy.shard_optimizer_states:
-        state_attrs = shard_optimizer(optimizer, [ps.spec for ps in params], targets)
+        state_attrs = shard_optimizer(optimizer, [ps.spec for ps in params], targets,
+                                      keep=offload.keep if offload else None)
     else:
         state_attrs = repoint_optimizer(optimizer, targets) if precision.enabled else optimizer_states(optimizer)
     # what stays full (stage 0, replicated parameters, buffers, step counters)
@@ -149,7 +157,9 @@ def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: Par
         for ps in params:
             if ps.spec.dtype == precision.param_dtype:
                 ps.weight.set_dtype(getattr(ms, ps.spec.dtype))
-    return _Sharded(tuple(state_attrs), digests, units)
+    if offload is not None:
+        offload.finish(optimizer)
+    return _Sharded(tuple(state_attrs), digests, units, offload)
 
 
 def _accumulation_buffers(config: ZeroConfig, params: tuple) -> None:

@@ -26,6 +26,7 @@ scale_by = ops.MultitypeFuncGraph("mindzero_scale_by")
 finite = ops.MultitypeFuncGraph("mindzero_finite")
 norm_sq = ops.MultitypeFuncGraph("mindzero_norm_sq")
 accumulate = ops.MultitypeFuncGraph("mindzero_accumulate")
+store = ops.MultitypeFuncGraph("mindzero_store")
 zero_after = ops.MultitypeFuncGraph("mindzero_zero_after")
 depend_on = ops.MultitypeFuncGraph("mindzero_depend_on")
 gather_unit = ops.MultitypeFuncGraph("mindzero_gather_unit")
@@ -108,6 +109,12 @@ def _norm_sq(want, op_rank, op_size, kind, padding, g):
 def _accumulate(buf, g):
     """``buf += g``."""
     return ops.assign_add(buf, g)
+
+
+@store.register("Tensor", "Tensor")
+def _store(buf, g):
+    """``buf = g`` (disk offload: the gradient waits for the streamed update)."""
+    return ops.assign(buf, g)
 
 
 @zero_after.register("Tensor", "Tensor")

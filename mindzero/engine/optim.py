@@ -42,6 +42,11 @@ from .materialize import make_shard, materialize
 OPTIMIZER_BASES = (nn.Optimizer, TorchStyleOptimizer)
 ELEMENTWISE_OPTIMIZERS = {nn.AdamWeightDecay, nn.Adam, nn.SGD, nn.Momentum, mint.optim.Adam, mint.optim.AdamW,
                           mint.optim.SGD}
+# optimizers whose update is made of element-wise primitives (each element computed alone, in IEEE arithmetic, whatever
+# its position in the tensor): disk offload may cut their parameters into pieces. Not nn.Adam (its fused ApplyAdam
+# kernel computes 8-lane FMA blocks and scalar tails per thread block: measured, a 4369-element parameter cut at 4096
+# changed last bits), nor nn.SGD / nn.Momentum / mint.optim.SGD (fused or in-place kernels, not verified).
+SPLITTABLE_OPTIMIZERS = {nn.AdamWeightDecay, mint.optim.Adam, mint.optim.AdamW}
 # optimizers whose update kernel MindSpore 2.10 does not register on CPU: class -> (kernel, what to use there)
 CPU_MISSING_KERNEL = {mint.optim.AdamW: ("AdamW", "mint.optim.Adam with weight_decay (L2, not decoupled) or "
                                                   "nn.AdamWeightDecay (decoupled, as AdamW)")}
@@ -213,7 +218,7 @@ def _replace_tuple(optimizer, attrs, old, new: list) -> dict:
     return {id(o): n for o, n in zip(old, new) if o is not n}
 
 
-def shard_optimizer(optimizer, specs: list, shard_params: list) -> tuple:
+def shard_optimizer(optimizer, specs: list, shard_params: list, keep=None) -> tuple:
     """Re-point ``optimizer`` at shards, in place, and cut its references to what was replaced.
 
     Args:
@@ -221,6 +226,9 @@ def shard_optimizer(optimizer, specs: list, shard_params: list) -> tuple:
         specs: the :class:`ShardSpec` of each optimizer parameter, in ``optimizer.parameters`` order.
         shard_params: what the optimizer must update for each parameter, same order: a shard
             Parameter for sharded ones, the full Parameter for replicated ones.
+        keep: ``None``, or ``keep(attr, index, state) -> Parameter``: what the optimizer holds for each new state
+            (shard or full), called as each is made (disk offload writes it out and returns a stand-in, so no
+            more than one state is in memory at a time).
 
     Returns:
         the state-tuple attribute names (:func:`optimizer_states`).
@@ -232,13 +240,18 @@ def shard_optimizer(optimizer, specs: list, shard_params: list) -> tuple:
     names, mapping = optimizer_states(optimizer), {}
     for attr in names:
         states = getattr(optimizer, attr)
-        new = [make_shard(s, spec, s.name, requires_grad=False) if spec.sharded else materialize(s)
-               for s, spec in zip(states, specs)]
+        new = [(keep or _same)(attr, i, make_shard(s, spec, s.name, requires_grad=False) if spec.sharded
+                                else materialize(s))
+               for i, (s, spec) in enumerate(zip(states, specs))]
         mapping.update(_replace_tuple(optimizer, [attr], states, new))
     aliases = [attr for attr, value in vars(optimizer).items() if value is old]
     mapping.update(_replace_tuple(optimizer, aliases, old, list(shard_params)))
     _swap_references(optimizer, mapping, old)
     return names
+
+
+def _same(attr, index, state):
+    return state
 
 
 def repoint_optimizer(optimizer, targets: list) -> tuple:
@@ -301,3 +314,84 @@ def offload_update(optimizer) -> tuple:
     for name in moved:
         getattr(optimizer, name).set_device("CPU")
     return moved
+
+
+def splits_parameters(optimizer) -> bool:
+    """Whether disk offload may cut ``optimizer``'s parameters into pieces (:data:`SPLITTABLE_OPTIMIZERS`, and
+    AdamWeightDecay only without its fused kernel)."""
+    return type(optimizer) in SPLITTABLE_OPTIMIZERS and not getattr(optimizer, "use_fused_opt", False)
+
+
+def optimizer_view(optimizer, index: int, param, states: dict):
+    """A Cell that applies ``optimizer``'s update to one piece of its parameter ``index``: the same class, the same
+    hyper-parameters and shared scalars (step counters, learning rates, beta powers: the very Parameters
+    ``optimizer`` holds), over ``param`` (a Parameter standing for the piece) and ``states`` (state-tuple attribute
+    -> a Parameter standing for that state's piece). Element-wise optimizers
+    (:data:`ELEMENTWISE_OPTIMIZERS`) compute the same numbers on the piece as on the whole parameter, provided the
+    shared scalars hold what they held before the step (the caller restores them before each piece: each call
+    advances them once).
+
+    Every per-parameter tuple of ``optimizer`` (decay flags, per-group learning rates and weight decays, ...) is
+    cut to the entry of ``index``; a mint optimizer's parameter groups to the group holding ``index``.
+    """
+    n = len(param_tuple(optimizer))
+    cls = type(optimizer)
+    view = cls.__new__(cls)
+    nn.Cell.__init__(view, auto_prefix=False)
+    internal = set(vars(view))
+    old = param_tuple(optimizer)
+    replaced = {id(p) for p in old} | {id(s) for attr in states for s in getattr(optimizer, attr)}
+    for key, value in vars(optimizer).items():
+        if key in internal:
+            continue
+        if key in states:
+            value = ParameterTuple([states[key]])
+        elif value is old:
+            value = ParameterTuple([param])
+        elif isinstance(value, ParameterTuple) and len(value) == n:
+            value = ParameterTuple([value[index]])
+        elif isinstance(value, tuple) and len(value) == n:
+            value = (value[index],)
+        object.__setattr__(view, key, value)
+    for key, p in optimizer._params.items():  # pylint: disable=protected-access
+        if id(p) not in replaced:
+            view._params[key] = p  # pylint: disable=protected-access
+    for p in (param, *states.values()):
+        view._params[p.name] = p  # pylint: disable=protected-access
+    for key, cell in optimizer._cells.items():  # pylint: disable=protected-access
+        view._cells[key] = cell  # pylint: disable=protected-access
+    if isinstance(optimizer, TorchStyleOptimizer):
+        starts = optimizer.group_start_id
+        group = next(g for g in range(len(starts) - 1) if starts[g] <= index < starts[g + 1])
+        entry = dict(optimizer.param_groups[group], params=[param])
+        for key in states:
+            if key in entry:
+                entry[key] = ParameterTuple([states[key]])
+        object.__setattr__(view, "param_groups", [entry])
+        object.__setattr__(view, "group_start_id", [0, 1])
+        object.__setattr__(view, "lrs", [optimizer.lrs[group]])
+    return view
+
+
+def view_signature(optimizer, index: int, state_attrs) -> tuple:
+    """What :func:`optimizer_view` takes from ``optimizer`` for parameter ``index`` beyond its shape: pieces with
+    equal signatures and shapes can share one compiled view."""
+    n = len(param_tuple(optimizer))
+    old = param_tuple(optimizer)
+    out = []
+    for key, value in sorted(vars(optimizer).items()):
+        if value is old or key in state_attrs or not isinstance(value, tuple) or len(value) != n:
+            continue
+        item = value[index]
+        out.append((key, id(item) if not isinstance(item, (bool, int, float, str, type(None))) else item))
+    if isinstance(optimizer, TorchStyleOptimizer):
+        starts = optimizer.group_start_id
+        out.append(("group", next(g for g in range(len(starts) - 1) if starts[g] <= index < starts[g + 1])))
+    return tuple(out)
+
+
+def shared_scalars(optimizer, state_attrs) -> list:
+    """The Parameters of ``optimizer`` that are neither its parameters nor their states: step counters, learning
+    rates, beta powers (what each call of the optimizer, or of a view of it, may advance)."""
+    own = {id(p) for p in param_tuple(optimizer)} | {id(s) for attr in state_attrs for s in getattr(optimizer, attr)}
+    return [p for p in optimizer._params.values() if id(p) not in own]  # pylint: disable=protected-access

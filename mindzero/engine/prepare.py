@@ -29,7 +29,8 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
                           comm_fusion=None, parallel_modules=None, stage3_regather=True, param_dtype=None,
                           reduce_dtype=None, shard_frozen=True, gather_quantization=None, gather_units=None,
                           stage3_param_persistence_threshold=100_000,
-                          stage3_model_persistence_threshold=None, config=None):
+                          stage3_model_persistence_threshold=None, offload_dir=None, offload_chunk_mb=8,
+                          offload_keep=False, config=None):
     """Wrap ``network`` (which returns the loss) and ``optimizer`` into a ZeRO train step.
 
     Must be called on all ranks, with the same network and optimizer structure,
@@ -55,8 +56,13 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
         stage3_regather: stage 3, graph mode: all-gather each parameter again in backward instead of
             keeping its full value alive from forward (peak gathered-parameter memory about the largest
             layer's, at one more all-gather per parameter); ``False`` trades that memory for speed.
-        optimizer_offload: run the optimizer's update primitive (and so keep its states) on the host;
-            see :func:`mindzero.engine.optim.offload_update` (on CPU: the same result, nothing moves).
+        optimizer_offload: ``False``; ``True`` or ``"host"``: run the optimizer's update primitive (and so keep
+            its states) on the host, see :func:`mindzero.engine.optim.offload_update` (on CPU: the same result,
+            nothing moves); ``"disk"`` (stages 1-3): keep each rank's optimizer states in a file under
+            ``offload_dir`` and stream them through the update ``offload_chunk_mb`` MiB at a time, bit-identical to
+            the in-memory update (:mod:`mindzero.engine.offload`, docs/stages.md). The directory must exist, be
+            writable and have room for the states (checked, and the space reserved, before training); the file is
+            removed at exit unless ``offload_keep=True``. Checkpoints are unchanged: they read the states from it.
         ema: ``None``; a decay in (0, 1); or mindone's ``EMA`` (its ``ema_decay`` is used): keep an
             exponential moving average of the optimized parameters, held like them (shards at stage 3),
             updated after each applied step; ``updates``: its initial step count (decay warm-up).

@@ -25,6 +25,11 @@ Per step (``gradient_accumulation_steps = K``; ``N`` ranks in the op group):
    all-gather every updated shard into the rest of its split parameter
    (with ``param_dtype``: every master shard into the full parameter).
 
+With ``optimizer_offload="disk"`` step 7 leaves the graph: the step stores the reduced gradients in buffers
+and returns; the update then streams the states from disk piece by piece (:mod:`mindzero.engine.offload`), and a
+second small graph (:class:`AfterUpdate`) does the write-back and the EMA. Which steps update, and which skip for
+overflow, is decided as in the graph.
+
 Split parameters (stage 1 without ``param_dtype``, :mod:`mindzero.engine.split`): step 1 takes the
 gradients w.r.t. each one's shard and rest and joins them into the full gradient, so steps 2-6 are the
 same at every layout.
@@ -46,7 +51,7 @@ from ..core.state import REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
 from ..core.topology import World
 from ..core.host import release_host_memory
 from .kernels import (MAP, accumulate, cast_to, depend_on, ema_update, finite, gather_unit, gather_write, join_at,
-                      norm_sq, reduce_grad, reduce_unit, route, scale_by, write_cast, zero_after)
+                      norm_sq, reduce_grad, reduce_unit, route, scale_by, store, write_cast, zero_after)
 from .precision import explain_dtype_errors
 
 
@@ -228,6 +233,36 @@ def _execution_order(order):
         ms.set_context(exec_order=previous)
 
 
+class AfterUpdate(nn.Cell):
+    """Disk offload: what follows the (streamed) update in the step's graph otherwise: the write-back
+    (:class:`WriteBack`) unless the update was skipped, and the EMA. Holds the train step's own Cells and
+    Parameters, not copies."""
+
+    def __init__(self, step):
+        super().__init__(auto_prefix=False)
+        self.has_write_back, self.has_ema, self.has_split = step.has_write_back, step.has_ema, step.has_split
+        if self.has_write_back:
+            self.write_back = step.write_back
+        if self.has_ema:
+            self.ema = step.ema
+            self.weights = step.weights
+            self.positions, self.rest_at, self.join_orders = step.positions, step.rest_at, step.join_orders
+            self.numels, self.shapes = step.numels, step.shapes
+
+    def construct(self, skipped):
+        after = skipped
+        if self.has_write_back:
+            if not skipped:
+                after = self.write_back(after)
+        if self.has_ema:
+            weights = self.weights
+            if self.has_split:
+                weights = MAP(ops.partial(join_at, self.weights), self.positions, self.rest_at, self.join_orders,
+                              self.numels, self.shapes)
+            after = ops.depend(after, self.ema(weights, skipped))
+        return after
+
+
 class ZeroTrainOneStepCell(nn.Cell):
     """Train step of :func:`mindzero.prepare_train_network`; see the module docstring for the phases.
 
@@ -288,6 +323,11 @@ class ZeroTrainOneStepCell(nn.Cell):
         # stages that shard gradients reduce each where backward produces it: compiled in depth-first order (split
         # steps too: the tutorial's stage 1 peaked 26 MiB lower so)
         self.exec_order = "dfs" if config.policy.shard_gradients or self.has_split else None
+        self.offloaded = state.offload is not None  # optimizer_offload="disk": the update streams the states
+        object.__setattr__(self, "disk", state.offload)
+        if self.offloaded:
+            self.offload_grads = ParameterTuple(self.disk.grads)
+            object.__setattr__(self, "after_update", AfterUpdate(self))  # not a child: its Cells are this one's
         self.set_train(True)
         self._compiled = False
 
@@ -303,7 +343,21 @@ class ZeroTrainOneStepCell(nn.Cell):
             self.compile(*args, **kwargs)
             release_host_memory()
         self._compiled = True
-        return super().__call__(*args, **kwargs)
+        out = super().__call__(*args, **kwargs)
+        if self.offloaded:
+            self._streamed_update(out[1])
+        return out
+
+    def _streamed_update(self, overflow) -> None:
+        """Disk offload, after the graph: at an update step, unless it is skipped for overflow, stream the update;
+        then the write-back and the EMA (:class:`AfterUpdate`), as the graph would have done."""
+        if self.accum_steps > 1 and int(self.micro_step.asnumpy()) % self.accum_steps:
+            return
+        skipped = bool(self.drop_overflow_update and overflow.asnumpy())
+        if not skipped:
+            self.disk.update()
+        if self.has_write_back or self.has_ema:
+            self.after_update(Tensor(skipped, ms.bool_))
 
     def construct(self, *inputs):
         scale = self.scale_sense * 1.0
@@ -342,6 +396,8 @@ class ZeroTrainOneStepCell(nn.Cell):
                 overflow = self._update(grads, overflow)
         else:
             overflow = self._update(grads, overflow)
+        if self.offloaded:  # the streamed update and what follows it run after the graph
+            return overflow
         if self.has_ema:  # after the gather, so stages 1-2 average the updated full parameters
             skipped = overflow if self.drop_overflow_update else ops.zeros((), ms.bool_)
             weights = self._joined(self.weights) if self.has_split else self.weights
@@ -363,6 +419,8 @@ class ZeroTrainOneStepCell(nn.Cell):
         chained assigns MindSpore 2.10 dropped inside a branch, had it) the runtime held the gathered
         values across the branch boundary: +212 MiB of memory pool on a 105M GPT (stage 1, one process),
         about half the parameter bytes; inside, +5 MiB."""
+        if self.offloaded:  # the gradients wait for the streamed update (ZeroTrainOneStepCell.__call__)
+            return ops.depend(after, MAP(store, self.offload_grads, grads))
         after = ops.depend(after, self.optimizer(grads))
         if self.has_write_back:
             after = self.write_back(after)

@@ -1,0 +1,291 @@
+"""``optimizer_offload="disk"``: the optimizer states in one file per rank, streamed through the update a piece at a
+time (the layout, the file and its page-cache handling: :mod:`mindzero.core.offload`).
+
+How the update stays the optimizer's own: for each piece the optimizer is applied through a *view*
+(:func:`mindzero.engine.optim.optimizer_view`): the same class and hyper-parameters over Parameters standing for
+the piece. Those Parameters share memory with what they stand for (on CPU a Parameter's ``asnumpy()`` is its
+memory, and ``set_data(Tensor.from_numpy(a))`` makes ``a`` its memory): the parameter's slice, the gradient's
+slice, and the piece's states in a slot buffer that the file was read into. So the update writes the parameter
+in place and the states into the slot, which is written back; nothing is copied but the file's bytes. Views
+are compiled once per distinct (piece length, per-parameter hyper-parameters) and rebound per piece. Before
+each piece the optimizer's shared scalars (step counter, beta powers) are restored to their values before the
+step, so each piece sees the step the whole optimizer would; after the last one they hold the advanced values.
+
+Pipelining: three slot buffers; while the view updates piece ``k``, one thread reads piece ``k + 1`` and another
+writes piece ``k - 1`` back (file I/O releases the GIL).
+
+Resident per rank beyond the in-memory run's parameters: one gradient buffer per optimizer parameter (the reduced
+gradient waits there for the streamed update; in memory it is a temporary of the step) and three slots of at
+most ``offload_chunk_mb`` each. The states themselves are on disk.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+import weakref
+from pathlib import Path
+
+import numpy as np
+from mindspore import Parameter, Tensor
+from mindspore.common import dtype as mstype
+
+from ..core.offload import OffloadError, OffloadPolicy, StateFile, StateLayout, check_directory
+from .optim import optimizer_view, param_tuple, shared_scalars, splits_parameters, view_signature
+
+SLOTS = 3  # read-ahead, in update, write-behind
+_SERIAL = itertools.count()  # one file per train step of this process
+
+
+def np_dtype(ms_dtype):
+    return mstype._dtype_to_nptype(ms_dtype)  # pylint: disable=protected-access  (as Tensor.init_data)
+
+
+def _itemsize(ms_dtype) -> int:
+    return np.dtype(np_dtype(ms_dtype)).itemsize
+
+
+class DiskState:
+    """What a checkpoint sees of one offloaded state (one optimizer parameter's state ``attr``): ``name``,
+    ``dtype``, ``shape`` of the in-memory state, ``asnumpy()`` read from the file, ``set_data(tensor)`` written to
+    it."""
+
+    def __init__(self, offload, attr, index, name, dtype, shape):
+        self.offload, self.attr, self.index = offload, attr, index
+        self.name, self.dtype, self.shape = name, dtype, tuple(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * _itemsize(self.dtype)
+
+    def asnumpy(self) -> np.ndarray:
+        return self.offload.read_state(self.attr, self.index).reshape(self.shape)
+
+    def set_data(self, tensor) -> None:
+        self.offload.write_state(self.attr, self.index, tensor.asnumpy())
+
+
+class DiskOffload:
+    """One train step's optimizer states on disk and the streamed update (module docstring).
+
+    Built in two parts: the constructor makes the file (space checked and reserved, before any state exists);
+    :meth:`keep` is handed to :func:`mindzero.engine.optim.shard_optimizer` and writes each state as it is made,
+    leaving a one-element stand-in in the optimizer; :meth:`finish` then builds the gradient buffers and views.
+    """
+
+    def __init__(self, optimizer, state_attrs, numels, policy: OffloadPolicy, world_rank: int):
+        self.policy = policy
+        self.state_attrs = tuple(state_attrs)
+        params = param_tuple(optimizer)
+        self.dtypes = {attr: [s.dtype for s in getattr(optimizer, attr)] for attr in self.state_attrs}
+        itemsizes = [max((_itemsize(d) for d in self.dtypes[attr]), default=4) for attr in self.state_attrs]
+        self.layout = StateLayout.build(numels, itemsizes, int(policy.chunk_mb * 2 ** 20), splits_parameters(optimizer))
+        self.numels = tuple(int(n) for n in numels)
+        self.names = {attr: [s.name for s in getattr(optimizer, attr)] for attr in self.state_attrs}
+        self.shapes = [None] * len(params)
+        root = check_directory(policy.dir, self.layout.nbytes)
+        _remove_stale(root)
+        self.rank_dir = root / f"rank_{world_rank}"
+        self.rank_dir.mkdir(exist_ok=True)
+        self.file = StateFile(self.rank_dir / f"states_{socket.gethostname()}_{os.getpid()}_{next(_SERIAL)}.bin",
+                              self.layout.nbytes, keep=policy.keep)
+        self.reader, self.writer = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+        # at exit, or when the train step is dropped: threads stopped, file removed (unless kept)
+        self._finalizer = weakref.finalize(self, _release, self.file, (self.reader, self.writer), self.rank_dir,
+                                           policy.keep)
+        self.placeholders = []
+        self.optimizer = None
+
+    # -- filling ---------------------------------------------------------------------------------------------
+
+    def keep(self, attr, index, state):
+        """Write ``state`` (optimizer parameter ``index``'s state ``attr``, as sharded) to the file; return the
+        one-element stand-in the optimizer holds instead."""
+        self.shapes[index] = tuple(state.shape)
+        self.write_state(attr, index, state.asnumpy())
+        stand_in = Parameter(Tensor(np.zeros((1,), np_dtype(state.dtype))), name=state.name, requires_grad=False)
+        self.placeholders.append(stand_in)
+        return stand_in
+
+    def finish(self, optimizer) -> None:
+        """After the optimizer was re-pointed: the gradient buffers, the shared scalars, the slots and the views."""
+        self.optimizer = optimizer
+        params = list(param_tuple(optimizer))
+        self.grads = [Parameter(Tensor(np.zeros(p.shape, np_dtype(p.dtype))), name="zero_offload_grad." + p.name,
+                                requires_grad=False) for p in params]
+        self.scalars = shared_scalars(optimizer, self.state_attrs)
+        # a slot: [the piece's parameter values][its states, as in the file]
+        self.param_dtypes = [np.dtype(np_dtype(p.dtype)) for p in params]
+        self.states_at = -(-max((p.numel * self.param_dtypes[p.index].itemsize for p in self.layout.pieces),
+                                default=0) // 64) * 64
+        self.slots = [np.zeros(self.states_at + self.layout.piece_bytes, np.uint8) for _ in range(SLOTS)]
+        self.window_shapes = [tuple(params[p.index].shape) if p.numel == self.numels[p.index] else (p.numel,)
+                              for p in self.layout.pieces]  # a whole parameter keeps its shape (a 0-d one counts)
+        views, self.view_of = {}, []
+        for k, (piece, shape) in enumerate(zip(self.layout.pieces, self.window_shapes)):
+            key = (k % SLOTS, shape, str(params[piece.index].dtype),
+                   tuple(str(self.dtypes[a][piece.index]) for a in self.state_attrs),
+                   view_signature(optimizer, piece.index, self.state_attrs))
+            if key not in views:
+                views[key] = self._view(optimizer, len(views), piece, shape, self.slots[k % SLOTS])
+            self.view_of.append(views[key])
+        self.n_views = len(views)
+
+    def _view(self, optimizer, n, piece, shape, slot):
+        """The view of ``optimizer`` for pieces like ``piece`` held in ``slot``: its Parameters' memory is the slot's
+        (bound once, never rebound: MindSpore's in-place kernels keep the memory they first ran on)."""
+        def bound(array, name):
+            p = Parameter(Tensor(np.zeros(shape, array.dtype)), name=name, requires_grad=False)
+            p.set_data(Tensor.from_numpy(array.reshape(shape)))
+            if not np.shares_memory(p.asnumpy(), array):
+                raise RuntimeError(f"mindzero: disk offload needs a Parameter to share a numpy array's memory "
+                                   f"(Tensor.from_numpy), and {name} does not on this MindSpore")
+            return p
+
+        param = bound(self._param_array(slot, piece), f"zero_offload.{n}.param")
+        states = {a: bound(self._state_array(slot[self.states_at:], piece, a), f"zero_offload.{n}.{a}")
+                  for a in self.state_attrs}
+        return optimizer_view(optimizer, piece.index, param, states)
+
+    def _param_array(self, slot, piece):
+        dtype = self.param_dtypes[piece.index]
+        return slot[:piece.numel * dtype.itemsize].view(dtype)
+
+    # -- per-state access (checkpoints) ----------------------------------------------------------------------
+
+    def _state_array(self, buf, piece, attr):
+        k = self.state_attrs.index(attr)
+        at = self.layout.state_offsets(piece)[k]
+        dtype = np.dtype(np_dtype(self.dtypes[attr][piece.index]))
+        return buf[at:at + piece.numel * dtype.itemsize].view(dtype)
+
+    def read_state(self, attr, index) -> np.ndarray:
+        """Optimizer parameter ``index``'s state ``attr``, flat, read piece by piece."""
+        out = []
+        for piece in self.layout.pieces_of(index):
+            buf = np.empty(piece.numel * sum(self.layout.itemsizes), np.uint8)
+            self.file.read(buf, piece.offset)
+            out.append(self._state_array(buf, piece, attr).copy())
+        return np.concatenate(out) if out else np.zeros(0, np_dtype(self.dtypes[attr][index]))
+
+    def write_state(self, attr, index, value) -> None:
+        """Set optimizer parameter ``index``'s state ``attr`` to ``value`` (any shape of its size)."""
+        flat = np.ascontiguousarray(value).reshape(-1)
+        for piece in self.layout.pieces_of(index):
+            buf = np.empty(piece.numel * sum(self.layout.itemsizes), np.uint8)
+            self.file.read(buf, piece.offset)
+            self._state_array(buf, piece, attr)[:] = flat[piece.start:piece.stop]
+            self.file.write(buf, piece.offset)
+        self.file.flush()
+
+    def states(self, optimizer_names) -> list:
+        """``[(attr, index, DiskState)]`` of every offloaded state (``optimizer_names``: not used, order only)."""
+        return [(attr, i, DiskState(self, attr, i, self.names[attr][i], self.dtypes[attr][i], self.shapes[i]))
+                for attr in self.state_attrs for i in range(len(self.numels))]
+
+    def state(self, attr, index) -> DiskState:
+        return DiskState(self, attr, index, self.names[attr][index], self.dtypes[attr][index], self.shapes[index])
+
+    # -- the streamed update ---------------------------------------------------------------------------------
+
+    def update(self) -> None:
+        """Apply the optimizer to every piece, the gradients taken from :attr:`grads` (module docstring)."""
+        pieces = self.layout.pieces
+        if not pieces:
+            return
+        params = [p.asnumpy().reshape(-1) for p in param_tuple(self.optimizer)]
+        grads = [g.asnumpy().reshape(-1) for g in self.grads]
+        scalars = [(p.asnumpy(), p.asnumpy().copy()) for p in self.scalars]
+        record = sum(self.layout.itemsizes)
+
+        def states_of(k):
+            return self.slots[k % SLOTS][self.states_at:self.states_at + pieces[k].numel * record]
+
+        def read(k):
+            self.file.read(states_of(k), pieces[k].offset)
+
+        def write(k):
+            self.file.write(states_of(k), pieces[k].offset)
+
+        writes = [None] * SLOTS
+        pending = self.reader.submit(read, 0)
+        for k, piece in enumerate(pieces):
+            pending.result()
+            if k + 1 < len(pieces):
+                nxt = (k + 1) % SLOTS
+                if writes[nxt] is not None:
+                    writes[nxt].result()
+                    writes[nxt] = None
+                pending = self.reader.submit(read, k + 1)
+            for live, before in scalars:
+                live[...] = before
+            values = params[piece.index][piece.start:piece.stop]
+            window = self._param_array(self.slots[k % SLOTS], piece)
+            window[...] = values
+            self.view_of[k]((Tensor.from_numpy(grads[piece.index][piece.start:piece.stop].reshape(
+                self.window_shapes[k])),))
+            values[...] = window
+            writes[k % SLOTS] = self.writer.submit(write, k)
+        for w in writes:
+            if w is not None:
+                w.result()
+        self.writer.submit(self.file.flush).result()
+
+    # -- what it costs ---------------------------------------------------------------------------------------
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.layout.nbytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Resident for the stream: the slots (the gradient buffers are counted as gradients)."""
+        return sum(int(s.nbytes) for s in getattr(self, "slots", ()))
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(int(g.nbytes) for g in getattr(self, "grads", ()))
+
+    def close(self) -> None:
+        """Stop the I/O threads and remove the file (unless ``offload_keep``); also done at exit."""
+        self._finalizer()
+
+
+def _release(file, pools, rank_dir, keep) -> None:
+    for pool in pools:
+        pool.shutdown(wait=True)
+    file.close()
+    if not keep:
+        try:
+            rank_dir.rmdir()
+        except OSError:
+            pass
+
+
+def _remove_stale(root: Path) -> None:
+    """Remove state files left by this machine's processes that no longer run (a killed rank's scratch, never a
+    checkpoint; files of other machines sharing the directory are left alone)."""
+    for path in root.glob(f"rank_*/states_{socket.gethostname()}_*.bin"):
+        try:
+            pid = int(path.stem.rsplit("_", 2)[-2])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            try:
+                path.unlink()
+            except OSError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+__all__ = ["DiskOffload", "DiskState", "OffloadError"]
