@@ -46,7 +46,9 @@ NAMES = {"dp": "plain DP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": 
          "3q": "stage 3, int8 gathers", "3h": "stage 3, fp16 reduction", "3qh": "stage 3, int8 + fp16",  # issue 24
          "3u": "stage 3, a gather per block", "3uh": "stage 3, per block + fp16", "3quh": "stage 3, all three",
          "3p": "stage 3, small kept whole", "3qhp": "stage 3, int8 + fp16 + small kept whole",  # issue 38
-         "3quhp": "stage 3, all three + small kept whole"}
+         "3quhp": "stage 3, all three + small kept whole",
+         "1d": "stage 1, states on disk", "2d": "stage 2, states on disk", "3d": "stage 3, states on disk",  # issue 37
+         "3pd": "stage 3, small kept whole, states on disk"}
 PHASES = ("init", "build", "prepare", "first_step", "steady")
 
 

@@ -70,7 +70,10 @@ def parse_args():
                     "transformer block (gather_units='*blocks.*'); 'p' (e.g. '3p', '3qhp'): parameters below "
                     "--persistence elements kept whole (stage3_param_persistence_threshold; the model cap at its "
                     "default, 1%% of the elements: mindzero's defaults with --persistence 100000); without 'p' "
-                    "every parameter is sharded (threshold 0)")
+                    "every parameter is sharded (threshold 0); 'd' (e.g. '3d'): the optimizer states on disk "
+                    "(optimizer_offload='disk' under --offload-dir)")
+    ap.add_argument("--offload-dir", help="disk offload's directory (default: <out>/offload)")
+    ap.add_argument("--chunk-mb", type=float, default=8, help="disk offload's offload_chunk_mb")
     ap.add_argument("--persistence", type=int, default=100_000, help="the threshold of a 'p' configuration")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=10, help="steps after the first")
@@ -188,6 +191,11 @@ def main():
             fusion = {k: {"openstate": True, "bucket_size": size} for k in ("allreduce", "reduce_scatter", "allgather")}
         flags = a.config[1:] if not a.config.endswith("bfs") else ""
         half_reduce = "h" in flags and not a.fp16
+        offload = {}
+        if "d" in flags:
+            offload_dir = Path(a.offload_dir or Path(a.out) / "offload")
+            offload_dir.mkdir(parents=True, exist_ok=True)
+            offload = dict(optimizer_offload="disk", offload_dir=str(offload_dir), offload_chunk_mb=a.chunk_mb)
         train = mindzero.prepare_train_network(net, opt, zero_stage=int(a.config[0]), comm_fusion=fusion,
                                                stage3_regather=not a.no_regather,
                                                param_dtype="float16" if a.fp16 else None,
@@ -195,7 +203,8 @@ def main():
                                                reduce_dtype="float16" if half_reduce else None,
                                                scale_sense=1024.0 if half_reduce else 1.0,
                                                gather_units="*blocks.*" if "u" in flags else None,
-                                               stage3_param_persistence_threshold=a.persistence if "p" in flags else 0)
+                                               stage3_param_persistence_threshold=a.persistence if "p" in flags else 0,
+                                               **offload)
         if a.config.endswith("bfs"):
             train.exec_order = None  # MindSpore's default order (bfs), as before the depth-first compile
         if a.pretrained:
@@ -239,6 +248,12 @@ def main():
         result["memory_expected"] = {k: rep["expected"][k] for k in ("parameters", "gradients", "optimizer_states")}
         result["comm"] = summarize(train.zero_info.calls)
         result["comm_real"] = summarize(train.zero_info.real_calls)
+        disk = train.zero_info.offload
+        if disk is not None:
+            result["offload"] = dict(disk_bytes=disk.disk_bytes, buffer_bytes=disk.buffer_bytes,
+                                     grad_bytes=disk.grad_bytes, read_bytes=disk.update_io[0],
+                                     written_bytes=disk.update_io[1], update_s=disk.update_seconds,
+                                     pieces=len(disk.layout.pieces), views=disk.n_views, chunk_mb=a.chunk_mb)
     out = Path(a.out)
     (out / f"rank_{world.world_rank}.json").write_text(json.dumps(result, indent=1))
     from mindzero.launch.worker import finish_rank

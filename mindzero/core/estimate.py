@@ -32,6 +32,7 @@ import sys
 
 from .config import MixedPrecision, Stage3Policy, stage_policy
 from .memory import KINDS, expected_bytes
+from .offload import DEFAULT_CHUNK_MB, OffloadPolicy
 from .checks import is_int, require_int
 from .introspect import param_infos
 from .options import ARGUMENT_DEFAULTS
@@ -42,6 +43,11 @@ from .quant import GatherQuantization
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "sgd": 2, "momentum": 1,
                     # mindspore.mint.optim: exp_avg and exp_avg_sq (AMSGrad: 3); SGD's momentum_buf
                     "mint.adam": 2, "mint.adamw": 2, "mint.adam_amsgrad": 3, "mint.sgd": 1}
+
+
+#: the optimizers (of OPTIMIZER_STATES) whose parameters disk offload cuts into pieces
+#: (mindzero.engine.optim.SPLITTABLE_OPTIMIZERS)
+SPLITTABLE = ("adamw", "mint.adam", "mint.adamw", "mint.adam_amsgrad")
 
 
 def paper_formula(phi: int, stage: int, op_size: int, mixed_precision: bool = True, n_states: int = 2) -> dict:
@@ -84,7 +90,7 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
                     reduce_dtype=None, gather_quantization=None,
                     stage3_param_persistence_threshold=ARGUMENT_DEFAULTS["stage3_param_persistence_threshold"],
                     stage3_model_persistence_threshold=ARGUMENT_DEFAULTS["stage3_model_persistence_threshold"],
-                    n_states: int = None) -> dict:
+                    n_states: int = None, optimizer_offload=False, offload_chunk_mb=DEFAULT_CHUNK_MB) -> dict:
     """Bytes per rank by kind that ``prepare_train_network`` will allocate, and the paper's formula.
 
     Args:
@@ -103,6 +109,9 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
             (parameter, gradient, optimizer states) on every rank.
         n_states: the optimizer's state tensors per parameter, when known from the optimizer itself (overrides
             ``optimizer``'s count).
+        optimizer_offload, offload_chunk_mb: ``prepare_train_network``'s options; with ``"disk"`` the moments are
+            counted on disk (``optimizer_disk``, ``disk_io_per_step`` = read + written per update) and the stream's
+            resident ``offload_buffers`` (in ``total``) and gradient buffers (in ``gradients``) are added.
 
     Returns:
         ``{"parameters", "gradients", "optimizer_states", "total": int, "phi": int,
@@ -126,8 +135,12 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
                           model_persistence_threshold=stage3_model_persistence_threshold)
     stage3.check_stage(zero_stage)
     plan = PartitionPlan.build(infos, op_size, 0, **stage3.persistence(zero_stage))
-    out = expected_bytes(plan, policy, states, gradient_accumulation, precision=precision, quant=quant)
-    out["total"] = sum(out[k] for k in KINDS)
+    offload = OffloadPolicy.parse(optimizer_offload, "." if optimizer_offload == "disk" else None, offload_chunk_mb)
+    if offload.disk and zero_stage == 0:
+        raise ValueError("optimizer_offload='disk' needs zero_stage 1, 2 or 3; got zero_stage=0")
+    out = expected_bytes(plan, policy, states, gradient_accumulation, precision=precision, quant=quant,
+                         offload=offload if offload.disk else None, split_pieces=key in SPLITTABLE)
+    out["total"] = sum(out[k] for k in KINDS) + out.get("offload_buffers", 0)
     phi = sum(math.prod(i.shape) for i in infos if i.optimized)
     formulas = both_formulas(phi, zero_stage, op_size, states)
     formula = formulas["mixed_precision" if precision.enabled else "fp32"]

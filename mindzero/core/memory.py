@@ -27,6 +27,7 @@ twice, :mod:`mindzero.engine.split`, which says why not stage 2): stage 0: 4Φ +
 from __future__ import annotations
 
 from .config import MixedPrecision, StagePolicy
+from .offload import StateLayout, slot_bytes
 from .plan import PartitionPlan, dtype_bytes, splits_evenly
 from .quant import payload_bytes
 
@@ -34,7 +35,8 @@ KINDS = ("parameters", "gradients", "optimizer_states")
 
 
 def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accumulate: bool,
-                   ema: bool = False, precision: MixedPrecision = MixedPrecision(), quant=None) -> dict:
+                   ema: bool = False, precision: MixedPrecision = MixedPrecision(), quant=None,
+                   offload=None, split_pieces: bool = True) -> dict:
     """Per-rank bytes by kind that ``plan`` predicts (pure arithmetic, no MindSpore).
 
     Args:
@@ -48,12 +50,20 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
         quant: stage 3's :class:`~mindzero.core.quant.GatherQuantization` (or ``None``): reported under
             ``quantization_buffers`` (only then), the payloads (int8 values and fp32 scales of this rank's shards) a step
             keeps from forward to the backward re-gather; transient (alive during a step), not in the kinds.
+        offload: an :class:`~mindzero.core.offload.OffloadPolicy` with ``tier="disk"``, or ``None``: the optimizer's
+            moments go to disk (``optimizer_disk``; ``optimizer_moments`` in memory 0), with ``accumulate`` every
+            optimized parameter gets a gradient buffer of its target's shape (counted in ``gradients``), and the stream's slots are
+            ``offload_buffers`` (in no kind); ``disk_io_per_step``: bytes read plus written per update.
+        split_pieces: the optimizer's parameters may be cut into pieces
+            (:func:`mindzero.engine.optim.splits_parameters`), which sizes the slots.
     """
     out = dict.fromkeys(KINDS, 0)
     out["ema"] = 0
     out["optimizer_moments"] = 0
     out["master_shards"] = 0
     mixed = precision.enabled
+    disk = offload is not None and offload.disk
+    targets = []  # (elements, bytes per element) of each optimizer target, for the disk layout
     for s in plan:
         # stage 1 without param_dtype splits each sharded optimized parameter into its shard and the rest
         # (stage 1 only, over more than one rank, every shard holding an element: else the master shard stays;
@@ -70,6 +80,7 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
         wide = dtype_bytes("float32") if mixed else s.itemsize
         state_numel = s.shard_size if (policy.shard_optimizer_states and s.sharded) else s.numel
         out["optimizer_moments"] += n_states * state_numel * wide
+        targets.append((state_numel, wide))
         if ema:
             out["ema"] += numel * wide
         if (mixed and s.dtype == precision.param_dtype) or (stage12 and not split):
@@ -78,6 +89,15 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
             narrow = precision.reduce_in and (mixed or s.dtype == "float32")
             grad_item = dtype_bytes(precision.reduce_in) if narrow else s.itemsize
             out["gradients"] += (s.shard_size if (policy.shard_gradients and s.sharded) else s.numel) * grad_item
+    if disk:
+        layout = StateLayout.build([n for n, _ in targets], [max((w for _, w in targets), default=4)] * n_states,
+                                   int(offload.chunk_mb * 2 ** 20), split_pieces)
+        out["optimizer_disk"] = out["optimizer_moments"]
+        out["disk_io_per_step"] = 2 * out["optimizer_disk"]
+        out["optimizer_moments"] = 0
+        if accumulate:  # the boundary's gradients wait for the update in buffers (without: the step's output)
+            out["gradients"] += sum(n * w for n, w in targets)
+        out["offload_buffers"] = slot_bytes(layout, [w for _, w in targets])
     out["optimizer_states"] = out["optimizer_moments"] + out["master_shards"]
     if quant is not None:
         out["quantization_buffers"] = sum(payload_bytes(s.shard_size, quant.block_size) for s in plan

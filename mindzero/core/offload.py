@@ -149,6 +149,20 @@ class StateLayout:
         return [p for p in self.pieces if p.index == index]
 
 
+SLOTS = 3  # read-ahead, in update, write-behind
+
+
+def states_at(layout: StateLayout, param_itemsizes) -> int:
+    """Where a slot's states start: after the largest piece's parameter values (``param_itemsizes``: bytes per
+    element of each optimizer parameter), rounded up to 64 bytes."""
+    return -(-max((p.numel * param_itemsizes[p.index] for p in layout.pieces), default=0) // 64) * 64
+
+
+def slot_bytes(layout: StateLayout, param_itemsizes) -> int:
+    """Bytes of the stream's slots: :data:`SLOTS` x (a piece's parameter values and its states)."""
+    return SLOTS * (states_at(layout, param_itemsizes) + layout.piece_bytes)
+
+
 def check_directory(path, need_bytes: int) -> Path:
     """``path`` exists, is a writable directory and has ``need_bytes`` free.
 

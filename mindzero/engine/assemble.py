@@ -158,7 +158,7 @@ def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: Par
             if ps.spec.dtype == precision.param_dtype:
                 ps.weight.set_dtype(getattr(ms, ps.spec.dtype))
     if offload is not None:
-        offload.finish(optimizer)
+        offload.finish(optimizer, config.gradient_accumulation_steps > 1)
     return _Sharded(tuple(state_attrs), digests, units, offload)
 
 

@@ -14,15 +14,17 @@ step, so each piece sees the step the whole optimizer would; after the last one 
 Pipelining: three slot buffers; while the view updates piece ``k``, one thread reads piece ``k + 1`` and another
 writes piece ``k - 1`` back (file I/O releases the GIL).
 
-Resident per rank beyond the in-memory run's parameters: one gradient buffer per optimizer parameter (the reduced
-gradient waits there for the streamed update; in memory it is a temporary of the step) and three slots of at
-most ``offload_chunk_mb`` each. The states themselves are on disk.
+The reduced gradients are the step graph's output and live until the update ends, as they do inside the graph
+in memory; with gradient accumulation they wait in one buffer per optimizer parameter instead (a graph's branch
+cannot return them). Resident beyond that: three slots of at most ``offload_chunk_mb`` of states (and the piece's
+parameter values) each. The states themselves are on disk.
 """
 from __future__ import annotations
 
 import itertools
 import os
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 import weakref
 from pathlib import Path
@@ -31,10 +33,9 @@ import numpy as np
 from mindspore import Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ..core.offload import OffloadError, OffloadPolicy, StateFile, StateLayout, check_directory
+from ..core.offload import SLOTS, OffloadError, OffloadPolicy, StateFile, StateLayout, check_directory, states_at
 from .optim import optimizer_view, param_tuple, shared_scalars, splits_parameters, view_signature
 
-SLOTS = 3  # read-ahead, in update, write-behind
 _SERIAL = itertools.count()  # one file per train step of this process
 
 
@@ -96,6 +97,8 @@ class DiskOffload:
                                            policy.keep)
         self.placeholders = []
         self.optimizer = None
+        self.update_seconds = []  # wall time of each streamed update
+        self.update_io = (0, 0)  # bytes read and written by the last one
 
     # -- filling ---------------------------------------------------------------------------------------------
 
@@ -108,17 +111,17 @@ class DiskOffload:
         self.placeholders.append(stand_in)
         return stand_in
 
-    def finish(self, optimizer) -> None:
-        """After the optimizer was re-pointed: the gradient buffers, the shared scalars, the slots and the views."""
+    def finish(self, optimizer, accumulate: bool) -> None:
+        """After the optimizer was re-pointed: the gradient buffers (with accumulation: the step's gradients wait
+        there; without, they are the step graph's output), the shared scalars, the slots and the views."""
         self.optimizer = optimizer
         params = list(param_tuple(optimizer))
         self.grads = [Parameter(Tensor(np.zeros(p.shape, np_dtype(p.dtype))), name="zero_offload_grad." + p.name,
-                                requires_grad=False) for p in params]
+                                requires_grad=False) for p in params] if accumulate else []
         self.scalars = shared_scalars(optimizer, self.state_attrs)
         # a slot: [the piece's parameter values][its states, as in the file]
         self.param_dtypes = [np.dtype(np_dtype(p.dtype)) for p in params]
-        self.states_at = -(-max((p.numel * self.param_dtypes[p.index].itemsize for p in self.layout.pieces),
-                                default=0) // 64) * 64
+        self.states_at = states_at(self.layout, [d.itemsize for d in self.param_dtypes])
         self.slots = [np.zeros(self.states_at + self.layout.piece_bytes, np.uint8) for _ in range(SLOTS)]
         self.window_shapes = [tuple(params[p.index].shape) if p.numel == self.numels[p.index] else (p.numel,)
                               for p in self.layout.pieces]  # a whole parameter keeps its shape (a 0-d one counts)
@@ -189,13 +192,15 @@ class DiskOffload:
 
     # -- the streamed update ---------------------------------------------------------------------------------
 
-    def update(self) -> None:
-        """Apply the optimizer to every piece, the gradients taken from :attr:`grads` (module docstring)."""
+    def update(self, grads=None) -> None:
+        """Apply the optimizer to every piece, the gradients taken from ``grads`` (one Tensor per optimizer
+        parameter) or, with accumulation, from :attr:`grads` (module docstring)."""
         pieces = self.layout.pieces
         if not pieces:
             return
+        started, io_before = time.perf_counter(), (self.file.read_bytes, self.file.written_bytes)
         params = [p.asnumpy().reshape(-1) for p in param_tuple(self.optimizer)]
-        grads = [g.asnumpy().reshape(-1) for g in self.grads]
+        grads = [g.asnumpy().reshape(-1) for g in (self.grads if grads is None else grads)]
         scalars = [(p.asnumpy(), p.asnumpy().copy()) for p in self.scalars]
         record = sum(self.layout.itemsizes)
 
@@ -231,6 +236,8 @@ class DiskOffload:
             if w is not None:
                 w.result()
         self.writer.submit(self.file.flush).result()
+        self.update_seconds.append(time.perf_counter() - started)
+        self.update_io = (self.file.read_bytes - io_before[0], self.file.written_bytes - io_before[1])
 
     # -- what it costs ---------------------------------------------------------------------------------------
 

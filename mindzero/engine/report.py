@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..core.comm_plan import format_comm
 from ..core.estimate import both_formulas
 from ..core.memory import expected_bytes
-from .optim import optimizer_state_params
+from .optim import optimizer_state_params, splits_parameters
 
 
 def memory_report(train_net) -> dict:
@@ -17,18 +17,26 @@ def memory_report(train_net) -> dict:
         ``optimizer_moments + master_shards``.
     """
     info = train_net.zero_info
-    moments = sum(_nbytes(p) for p in optimizer_state_params(train_net.optimizer, info.state_attrs))
+    disk = info.offload
+    # with disk offload the optimizer holds one-element stand-ins: the states are in the file (optimizer_disk)
+    moments = 0 if disk else sum(_nbytes(p) for p in optimizer_state_params(train_net.optimizer, info.state_attrs))
     masters = sum(_nbytes(p) for p in info.master_shards)
+    extra = {}
+    if disk is not None:
+        extra = {"optimizer_disk": disk.disk_bytes, "disk_io_per_step": 2 * disk.disk_bytes,
+                 "offload_buffers": disk.buffer_bytes}
     return {
+        **extra,
         "parameters": sum(_nbytes(p) for p in train_net.network.get_parameters()),
-        "gradients": sum(_nbytes(p) for p in info.accum_buffers),
+        "gradients": sum(_nbytes(p) for p in info.accum_buffers) + (disk.grad_bytes if disk else 0),
         "optimizer_moments": moments,
         "master_shards": masters,
         "optimizer_states": moments + masters,
         "ema": sum(_nbytes(p) for p in train_net.ema.ema_weights) if train_net.has_ema else 0,
         "expected": expected_bytes(info.plan, info.config.policy, len(info.state_attrs),
                                    info.config.gradient_accumulation_steps > 1, train_net.has_ema, info.precision,
-                                   info.config.stage3.quantization),
+                                   info.config.stage3.quantization, info.config.offload if disk else None,
+                                   splits_parameters(train_net.optimizer)),
         "stage": info.config.zero_stage,
         "op_size": info.world.op_size,  # the op group: what the shards divide by
         "dp_size": info.world.dp_size,
@@ -91,6 +99,14 @@ def plan_text(train_net) -> str:
                      "updates) and the rest (written by the all-gather); no fp32 master copy")
     for kind in ("parameters", "gradients", "optimizer_states"):
         lines.append(f"  {kind:<17} {report[kind] / mib:10.3f} MiB (plan {report['expected'][kind] / mib:.3f} MiB)")
+    disk = info.offload
+    if disk is not None:
+        lines.append(f"  {'on disk':<17} {report['optimizer_disk'] / mib:10.3f} MiB of optimizer states in "
+                     f"{disk.file.path} ({len(disk.layout.pieces)} pieces of at most "
+                     f"{disk.layout.piece_bytes / mib:.3f} MiB, {'cut inside parameters' if splits_parameters(train_net.optimizer) else 'whole parameters: this optimizer is not cut'}); "
+                     f"per update {report['optimizer_disk'] / mib:.3f} MiB read + "
+                     f"{report['optimizer_disk'] / mib:.3f} MiB written; resident for the stream: "
+                     f"{report['offload_buffers'] / mib:.3f} MiB of slots and the gradient buffers (in gradients)")
     lines.append(formulas_line(info, len(info.state_attrs)))
     lines.append(info.plan.summary())
     lines.append(format_comm(info.calls, info.real_calls if world.emulated else None))

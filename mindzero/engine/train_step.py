@@ -25,8 +25,8 @@ Per step (``gradient_accumulation_steps = K``; ``N`` ranks in the op group):
    all-gather every updated shard into the rest of its split parameter
    (with ``param_dtype``: every master shard into the full parameter).
 
-With ``optimizer_offload="disk"`` step 7 leaves the graph: the step stores the reduced gradients in buffers
-and returns; the update then streams the states from disk piece by piece (:mod:`mindzero.engine.offload`), and a
+With ``optimizer_offload="disk"`` step 7 leaves the graph: the step returns the reduced gradients (with
+accumulation: stores them in buffers); the update then streams the states from disk piece by piece (:mod:`mindzero.engine.offload`), and a
 second small graph (:class:`AfterUpdate`) does the write-back and the EMA. Which steps update, and which skip for
 overflow, is decided as in the graph.
 
@@ -325,8 +325,9 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.exec_order = "dfs" if config.policy.shard_gradients or self.has_split else None
         self.offloaded = state.offload is not None  # optimizer_offload="disk": the update streams the states
         object.__setattr__(self, "disk", state.offload)
-        if self.offloaded:
+        if self.offloaded and self.accum_steps > 1:
             self.offload_grads = ParameterTuple(self.disk.grads)
+        if self.offloaded:
             object.__setattr__(self, "after_update", AfterUpdate(self))  # not a child: its Cells are this one's
         self.set_train(True)
         self._compiled = False
@@ -345,17 +346,19 @@ class ZeroTrainOneStepCell(nn.Cell):
         self._compiled = True
         out = super().__call__(*args, **kwargs)
         if self.offloaded:
-            self._streamed_update(out[1])
+            grads = out[3] if self.accum_steps == 1 else None
+            out = out[:3]
+            self._streamed_update(out[1], grads)
         return out
 
-    def _streamed_update(self, overflow) -> None:
+    def _streamed_update(self, overflow, grads) -> None:
         """Disk offload, after the graph: at an update step, unless it is skipped for overflow, stream the update;
         then the write-back and the EMA (:class:`AfterUpdate`), as the graph would have done."""
         if self.accum_steps > 1 and int(self.micro_step.asnumpy()) % self.accum_steps:
             return
         skipped = bool(self.drop_overflow_update and overflow.asnumpy())
         if not skipped:
-            self.disk.update()
+            self.disk.update(grads)
         if self.has_write_back or self.has_ema:
             self.after_update(Tensor(skipped, ms.bool_))
 
@@ -370,14 +373,16 @@ class ZeroTrainOneStepCell(nn.Cell):
             grads = MAP(ops.partial(cast_to, self.reduce_dtype), grads)
         grads = self.micro(grads, scale)  # (no scaling here: the factor is applied once, at the boundary)
         if self.accum_steps == 1:
-            overflow = self._apply(grads, scale)
+            overflow, grads = self._apply(grads, scale)
+            if self.offloaded:  # disk offload: the gradients go out to the streamed update (__call__)
+                return loss, overflow, scale, grads
         else:
             step = ops.depend(self.micro_step + 1, MAP(accumulate, self.accum_buffers, grads))
             ops.assign(self.micro_step, step)
             overflow = ops.zeros((), ms.bool_)
             if step % self.accum_steps == 0:
                 grads = MAP(ops.partial(depend_on, step), self.accum_buffers)
-                overflow = self._apply(grads, scale)
+                overflow, _ = self._apply(grads, scale)
                 overflow = ops.depend(overflow, MAP(ops.partial(zero_after, overflow), self.accum_buffers))
         return loss, overflow, scale
 
@@ -397,12 +402,12 @@ class ZeroTrainOneStepCell(nn.Cell):
         else:
             overflow = self._update(grads, overflow)
         if self.offloaded:  # the streamed update and what follows it run after the graph
-            return overflow
+            return overflow, grads
         if self.has_ema:  # after the gather, so stages 1-2 average the updated full parameters
             skipped = overflow if self.drop_overflow_update else ops.zeros((), ms.bool_)
             weights = self._joined(self.weights) if self.has_split else self.weights
             overflow = ops.depend(overflow, self.ema(weights, skipped))
-        return overflow
+        return overflow, grads
 
     def _joined(self, values):
         """Per optimized parameter (optimizer order): ``values[i]``, or for a split one the full tensor joined
@@ -419,8 +424,11 @@ class ZeroTrainOneStepCell(nn.Cell):
         chained assigns MindSpore 2.10 dropped inside a branch, had it) the runtime held the gathered
         values across the branch boundary: +212 MiB of memory pool on a 105M GPT (stage 1, one process),
         about half the parameter bytes; inside, +5 MiB."""
-        if self.offloaded:  # the gradients wait for the streamed update (ZeroTrainOneStepCell.__call__)
-            return ops.depend(after, MAP(store, self.offload_grads, grads))
+        if self.offloaded:  # the streamed update runs after the graph (ZeroTrainOneStepCell.__call__): with
+            # accumulation the gradients wait in buffers, without it they are the graph's output
+            if self.accum_steps > 1:
+                return ops.depend(after, MAP(store, self.offload_grads, grads))
+            return after
         after = ops.depend(after, self.optimizer(grads))
         if self.has_write_back:
             after = self.write_back(after)
