@@ -47,7 +47,7 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "sgd": 2, "momentum": 1,
 
 #: the optimizers (of OPTIMIZER_STATES) whose parameters disk offload cuts into pieces
 #: (mindzero.engine.optim.SPLITTABLE_OPTIMIZERS)
-SPLITTABLE = ("adamw", "mint.adam", "mint.adamw", "mint.adam_amsgrad")
+SPLITTABLE = ("adamw", "sgd", "momentum", "mint.adam", "mint.adam_amsgrad", "mint.sgd")
 
 
 def paper_formula(phi: int, stage: int, op_size: int, mixed_precision: bool = True, n_states: int = 2) -> dict:

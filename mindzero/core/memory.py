@@ -92,7 +92,7 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
     if disk:
         layout = StateLayout.build([n for n, _ in targets], [max((w for _, w in targets), default=4)] * n_states,
                                    int(offload.chunk_mb * 2 ** 20), split_pieces)
-        out["optimizer_disk"] = out["optimizer_moments"]
+        out["optimizer_disk"] = layout.nbytes  # the moments, each piece's states 64-byte aligned
         out["disk_io_per_step"] = 2 * out["optimizer_disk"]
         out["optimizer_moments"] = 0
         if accumulate:  # the boundary's gradients wait for the update in buffers (without: the step's output)

@@ -33,7 +33,7 @@ import numpy as np
 from mindspore import Parameter, Tensor
 from mindspore.common import dtype as mstype
 
-from ..core.offload import SLOTS, OffloadError, OffloadPolicy, StateFile, StateLayout, check_directory, states_at
+from ..core.offload import ALIGN_BYTES, SLOTS, OffloadError, OffloadPolicy, StateFile, StateLayout, check_directory, states_at
 from .optim import optimizer_view, param_tuple, shared_scalars, splits_parameters, view_signature
 
 _SERIAL = itertools.count()  # one file per train step of this process
@@ -122,7 +122,7 @@ class DiskOffload:
         # a slot: [the piece's parameter values][its states, as in the file]
         self.param_dtypes = [np.dtype(np_dtype(p.dtype)) for p in params]
         self.states_at = states_at(self.layout, [d.itemsize for d in self.param_dtypes])
-        self.slots = [np.zeros(self.states_at + self.layout.piece_bytes, np.uint8) for _ in range(SLOTS)]
+        self.slots = [aligned_buffer(self.states_at + self.layout.piece_bytes) for _ in range(SLOTS)]
         self.window_shapes = [tuple(params[p.index].shape) if p.numel == self.numels[p.index] else (p.numel,)
                               for p in self.layout.pieces]  # a whole parameter keeps its shape (a 0-d one counts)
         views, self.view_of = {}, []
@@ -167,7 +167,7 @@ class DiskOffload:
         """Optimizer parameter ``index``'s state ``attr``, flat, read piece by piece."""
         out = []
         for piece in self.layout.pieces_of(index):
-            buf = np.empty(piece.numel * sum(self.layout.itemsizes), np.uint8)
+            buf = np.empty(self.layout.record_bytes(piece), np.uint8)
             self.file.read(buf, piece.offset)
             out.append(self._state_array(buf, piece, attr).copy())
         return np.concatenate(out) if out else np.zeros(0, np_dtype(self.dtypes[attr][index]))
@@ -176,7 +176,7 @@ class DiskOffload:
         """Set optimizer parameter ``index``'s state ``attr`` to ``value`` (any shape of its size)."""
         flat = np.ascontiguousarray(value).reshape(-1)
         for piece in self.layout.pieces_of(index):
-            buf = np.empty(piece.numel * sum(self.layout.itemsizes), np.uint8)
+            buf = np.empty(self.layout.record_bytes(piece), np.uint8)
             self.file.read(buf, piece.offset)
             self._state_array(buf, piece, attr)[:] = flat[piece.start:piece.stop]
             self.file.write(buf, piece.offset)
@@ -202,10 +202,8 @@ class DiskOffload:
         params = [p.asnumpy().reshape(-1) for p in param_tuple(self.optimizer)]
         grads = [g.asnumpy().reshape(-1) for g in (self.grads if grads is None else grads)]
         scalars = [(p.asnumpy(), p.asnumpy().copy()) for p in self.scalars]
-        record = sum(self.layout.itemsizes)
-
         def states_of(k):
-            return self.slots[k % SLOTS][self.states_at:self.states_at + pieces[k].numel * record]
+            return self.slots[k % SLOTS][self.states_at:self.states_at + self.layout.record_bytes(pieces[k])]
 
         def read(k):
             self.file.read(states_of(k), pieces[k].offset)
@@ -257,6 +255,13 @@ class DiskOffload:
     def close(self) -> None:
         """Stop the I/O threads and remove the file (unless ``offload_keep``); also done at exit."""
         self._finalizer()
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """A zeroed byte buffer whose first byte is at a multiple of :data:`ALIGN_BYTES` (see there why)."""
+    raw = np.zeros(nbytes + ALIGN_BYTES, np.uint8)
+    skip = -raw.ctypes.data % ALIGN_BYTES
+    return raw[skip:skip + nbytes]
 
 
 def _release(file, pools, rank_dir, keep) -> None:

@@ -181,6 +181,28 @@ def test_optimizer_offload_equals_on_device(run, stage):
         assert_same_run(res.load(r, f"offload-{stage}"), res.load(r, f"mixed-{stage}"), f"offload-{stage} rank {r}")
 
 
+DISK_ROWS = [("disk-clip-1", "clip-1"), ("disk-clip-2", "clip-2"), ("disk-clip-3", "clip-3"),
+             ("disk-overflow-1", "overflow-1"), ("disk-overflow-3", "overflow-3"), ("disk-mp-1", "mp-mixed-1"),
+             ("disk-mp-3", "mp-mixed-3"), ("disk-accum-2", "accum-2"), ("disk-accum-3", "accum-3")]
+
+
+@scenarios(lambda name, ref: [name, ref])
+@pytest.mark.parametrize("name, ref", DISK_ROWS, ids=[name for name, _ in DISK_ROWS])
+def test_disk_offload_equals_the_run_in_memory(run, name, ref):
+    """``optimizer_offload="disk"`` (the states streamed from a file through views of the optimizer) trains bit for
+    bit as the same run with the states in memory: clipping at stages 1-3, a skipped overflow, param_dtype (fp32
+    masters) with an overflow, accumulation (the gradients wait in buffers) with nn.Adam on odd shapes."""
+    n, res = run
+    scn = res.scenario(name)
+    for r in range(n):
+        assert_same_run(res.load(r, name), res.load(r, ref), f"{name} vs {ref} rank {r}", rtol=0.0,
+                        overflow=scn.force_overflow)
+        if scn.force_overflow:
+            assert res.load(r, name)["overflows"].any(), f"{name}: the forced overflow was not seen"
+        memory = res.json(r, "memory.json")[name]
+        assert memory["optimizer_moments"] == 0 and memory["optimizer_disk"] > 0, memory
+
+
 @scenarios(lambda model: [f"{model}-0", f"{model}-dp"])
 @pytest.mark.parametrize("model", MODELS)
 def test_stage0_equals_plain_data_parallel(run, model):

@@ -14,6 +14,8 @@ DYNAMIC = {"init_loss_scale": 4096.0, "scale_factor": 2.0, "scale_window": 50}  
 CLIP = {"clip_grad": True, "clip_norm": 0.05}
 EMA = {"ema": 0.99, "updates": 500}
 FP16 = {"param_dtype": "float16", "scale_sense": DYNAMIC}
+# the optimizer states on disk (the worker gives each run its own directory in place of "per-run")
+DISK = {"optimizer_offload": "disk", "offload_dir": "per-run"}
 DEFAULT, FULL = "default", "full"  # the tiers (tests/support/tier.py)
 TIERS = (DEFAULT, FULL)
 
@@ -181,6 +183,15 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
                                     settings, substitute=True))
         out.append(Scenario("real-mp-3", "mixed", "adamw_groups", 3, FP16, force_overflow=True, substitute=True))
         out.append(Scenario("real-accum-2", "awkward", "adam", 2, {"gradient_accumulation_steps": 4}, substitute=True))
+    if full:  # the optimizer states on disk, bit for bit as the same run in memory (2 ranks; tests/single too)
+        out += [Scenario(f"disk-clip-{stage}", "mixed", "adamw_groups", stage, {**CLIP, **DISK},
+                         reference=f"clip-{stage}") for stage in (1, 2, 3)]
+        out += [Scenario(f"disk-overflow-{stage}", "mixed", "adamw_groups", stage, {"scale_sense": DYNAMIC, **DISK},
+                         force_overflow=True, reference=f"overflow-{stage}") for stage in (1, 3)]
+        out += [Scenario(f"disk-mp-{stage}", "mixed", "adamw_groups", stage, {**FP16, **DISK}, force_overflow=True,
+                         reference=f"mp-mixed-{stage}") for stage in (1, 3)]
+        out += [Scenario(f"disk-accum-{stage}", "awkward", "adam", stage, {"gradient_accumulation_steps": 4, **DISK},
+                         reference=f"accum-{stage}") for stage in (2, 3)]
     # MindSpore's torch-style optimizers against the plain-DP reference loop (tests.support.worker.ReferenceStep):
     # Adam with AMSGrad and two groups; SGD with Nesterov momentum, accumulation and clipping on the tied GPT (not
     # the awkward net: mint.optim.SGD itself fails to compile on its 0-d parameter, "For 'Assign' ... dimension")

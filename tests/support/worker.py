@@ -1,5 +1,6 @@
 """The worker side of a test launch: start (the library's worker protocol) and train a :class:`~tests.support.scenarios.Scenario`."""
 import contextlib
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,8 +75,11 @@ def run(scn, world) -> Run:
         train.set_train()
     else:
         # substitute: the GPU/Ascend code path, CPU-legal primitives (mindzero.comm.substitute_collectives)
+        settings = scn.settings
+        if settings.get("optimizer_offload") == "disk":  # each run its own directory
+            settings = {**settings, "offload_dir": tempfile.mkdtemp(prefix="mindzero_offload_")}
         with substitute_collectives() if scn.substitute else contextlib.nullcontext():
-            train = mindzero.prepare_train_network(net, opt, zero_stage=scn.stage, config=scn.settings)
+            train = mindzero.prepare_train_network(net, opt, zero_stage=scn.stage, config=settings)
     losses, overflows, scales, seen = [], [], [], []
     for step in range(scn.steps):
         if scn.stage == "dp" and k > 1:  # plain DP on the concatenated micro-batches
