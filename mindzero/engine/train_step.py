@@ -358,7 +358,10 @@ class ZeroTrainOneStepCell(nn.Cell):
             return
         skipped = bool(self.drop_overflow_update and overflow.asnumpy())
         if not skipped:
+            first = not self.disk.update_seconds
             self.disk.update(grads)
+            if first:  # the views compiled: give the compiler's freed heap back, as after the step's compile
+                release_host_memory()
         if self.has_write_back or self.has_ema:
             self.after_update(Tensor(skipped, ms.bool_))
 
