@@ -38,7 +38,8 @@ from mindzero.core.estimate import paper_formula  # noqa: E402
 from mindzero.launch.local import LaunchError, MemoryLimitExceeded, MemoryWatch, launch  # noqa: E402
 
 GIB = 2 ** 30
-NAMES = {"dp": "plain DP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3"}
+NAMES = {"dp": "plain DP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3",
+         "3d": "stage 3, states on disk"}  # 'd': optimizer_offload="disk" under <out>/<config>_L<layers>/offload
 
 
 def gpt_params(layers: int, dim: int, vocab: int, seq: int, lora: int = 0) -> int:
@@ -112,14 +113,17 @@ def run(config, layers, a, out: Path) -> dict:
 def start_index(config, a) -> int:
     """The largest ladder size whose formula bytes plus the per-rank overhead fit the budget (fine-tuning: the
     frozen fp32 weights, whole or 1/N at stage 3)."""
-    stage = 0 if config == "dp" else int(config)
+    stage = 0 if config == "dp" else int(config[0])
     best = 0
     for i, layers in enumerate(a.ladder):
         phi = gpt_params(layers, a.dim, a.vocab, a.seq, a.finetune)
         if a.finetune:
             per_rank = 4 * phi / (a.world if stage == 3 else 1) + a.overhead_gib * GIB
         else:
-            per_rank = sum(paper_formula(phi, stage, a.world, mixed_precision=False).values()) + a.overhead_gib * GIB
+            formula = paper_formula(phi, stage, a.world, mixed_precision=False)
+            if config.endswith("d"):  # the optimizer states on disk
+                formula.pop("optimizer_states")
+            per_rank = sum(formula.values()) + a.overhead_gib * GIB
         if per_rank * a.world <= a.budget_gib * GIB:
             best = i
     return best

@@ -154,6 +154,52 @@ def goals(rows) -> list:
     return out
 
 
+def offload_rows(results, world, out: Path) -> list:
+    """Per disk-offload configuration (``...d``): its states' bytes per rank, the bytes an update reads and writes,
+    the update's measured time (median of the steady steps, rank 0), the time the same bytes take at the disk
+    bandwidth measured now on this machine (``benchmarks/disk_bandwidth.py``: every rank's stream at once), and
+    the peak and step against the same configuration in memory (the config without its ``d``)."""
+    from disk_bandwidth import measure
+
+    rows = []
+    for config, ranks in results.items():
+        r0 = ranks[0]
+        if "offload" not in r0:
+            continue
+        o, base = r0["offload"], results.get(config[:-1])
+        io = o["read_bytes"] + o["written_bytes"]
+        bw = measure(out / "bandwidth", o["disk_bytes"] / MIB, world)
+        update_s = statistics.median(o["update_s"][1:] or o["update_s"])
+        row = dict(world=world, config=config, disk_mib=o["disk_bytes"] / MIB, io_mib=io / MIB,
+                   buffers_mib=o["buffer_bytes"] / MIB, pieces=o["pieces"], views=o["views"], update_s=update_s,
+                   io_s=bw["update_io_s"], update_vs_io=update_s / bw["update_io_s"], bandwidth=bw,
+                   peak_mib=peak_above_init(r0), step_s=statistics.median(r0["times"]))
+        if base:
+            row.update(base_peak_mib=peak_above_init(base[0]), base_step_s=statistics.median(base[0]["times"]))
+            row["saved_vs_states"] = (row["base_peak_mib"] - row["peak_mib"]) / row["disk_mib"]
+            row["added_s"] = row["step_s"] - row["base_step_s"]
+        rows.append(row)
+    return rows
+
+
+def offload_markdown(rows) -> str:
+    if not rows:
+        return ""
+    lines = ["", "", "Optimizer states on disk (rank 0; bandwidth measured now, every rank's stream at once):", "",
+             "| world | config | states on disk MiB | read + written per update MiB | slots MiB | pieces | update s | "
+             "same bytes at the measured bandwidth s | ratio | peak saved / state bytes | step s (in memory) | "
+             "added s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        bw = r["bandwidth"]
+        lines.append(f"| {r['world']} | {NAMES[r['config']]} | {r['disk_mib']:.0f} | {r['io_mib']:.0f} | "
+                     f"{r['buffers_mib']:.0f} | {r['pieces']} | {r['update_s']:.2f} | {r['io_s']:.2f} "
+                     f"(write {bw['write_mib_s']:.0f}, read {bw['read_mib_s']:.0f} MiB/s"
+                     f"{', dd %.0f / %.0f' % (bw['dd_write_mib_s'], bw['dd_read_mib_s']) if 'dd_read_mib_s' in bw else ''}) | "
+                     f"{r['update_vs_io']:.2f}x | {r.get('saved_vs_states', float('nan')):.2f} | "
+                     f"{r['step_s']:.2f} ({r.get('base_step_s', float('nan')):.2f}) | {r.get('added_s', float('nan')):.2f} |")
+    return "\n".join(lines)
+
+
 def markdown(rows, command) -> str:
     lines = [f"`{command}`", "",
              "| world | config | peak RSS above init MiB | ratio to DP | formula MiB | model states MiB | "
@@ -252,19 +298,21 @@ def main(argv=None):
     configs = a.configs.split(",")
     if "dp" not in configs:
         configs.insert(0, "dp")
-    rows = []
+    rows, offload = [], []
     start = time.time()
     for world in (int(w) for w in a.worlds.split(",")):
         results = {c: run_config(c, world, out, a) for c in configs}
         rows += summarize(results, world)
+        offload += offload_rows(results, world, out)
     command = "python benchmarks/zero_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    table = markdown(rows, command.strip())
+    table = markdown(rows, command.strip()) + offload_markdown(offload)
     print(table)
     meta = dict(command=command.strip(), seconds=time.time() - start, cpu_count=os.cpu_count(),
                 model=dict(vocab=a.vocab, dim=a.dim, layers=a.layers, heads=a.heads, seq=a.seq, batch=a.batch),
                 steps=a.steps, bucket_mib=a.bucket_mib, lazy=not a.eager,
                 link=None if a.link is None else dict(rate_bit_s=a.link.rate, delay_ms=a.link.delay_ms))
-    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, goals=goals(rows)), indent=1))
+    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, goals=goals(rows), offload=offload),
+                                                 indent=1))
     (out / "results.md").write_text(table + "\n")
     charts(rows, out)
     print(f"wrote {out}/results.json, results.md, zero_bench.png, zero_bench_timeline.png in {meta['seconds']:.0f}s")

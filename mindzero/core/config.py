@@ -460,7 +460,9 @@ def check_option(key: str, value) -> None:
     Raises:
         ValueError: naming the option, the value and the rule.
     """
-    ZeroConfig.from_arguments({**_CHECK_ALONE, key: value})
+    companions = {"offload_dir": {"optimizer_offload": "disk"}, "optimizer_offload": {"offload_dir": "."}}
+    needs = companions.get(key, {}) if key != "optimizer_offload" or value == "disk" else {}
+    ZeroConfig.from_arguments({**_CHECK_ALONE, **needs, key: value})
 
 
 #: the other options while one is checked alone: the ones a value may need beside it (stage 3 for its options, an

@@ -186,27 +186,37 @@ def main(argv=None) -> int:
     ap.add_argument("--model-persistence-threshold", type=int, metavar="ELEMENTS",
                     help="stage 3: the most elements kept whole in all (stage3_model_persistence_threshold; "
                     "default: 1%% of the model's elements)")
+    ap.add_argument("--disk", action="store_true", help="optimizer_offload='disk' (stages 1-3): the moments on disk "
+                    "(columns: on disk, read + written per update, the stream's slots)")
+    ap.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB, help="offload_chunk_mb (with --disk)")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     a = ap.parse_args(argv)
     shapes = [a.params] if a.params is not None else json.loads(open(a.shapes).read())
     rows = []
+    disk_head = " on disk MiB | disk I/O per update MiB | slots MiB |" if a.disk else ""
     print("| stage | N | params MiB | grads MiB | optimizer MiB | total MiB | formula MiB | formula | other precision's "
-          "formula MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "formula MiB |" + disk_head)
+    print("|---|---|---|---|---|---|---|---|---|" + "---|" * (3 if a.disk else 0))
     names = {0: "16Φ", 1: "4Φ+12Φ/N", 2: "2Φ+14Φ/N", 3: "16Φ/N"} if a.mixed_precision else \
         {0: "16Φ", 1: "8Φ+8Φ/N", 2: "4Φ+16Φ/N", 3: "16Φ/N"}
     mib = 2 ** 20
     for n in (int(x) for x in a.op_sizes.split(",")):
         for stage in (int(x) for x in a.stages.split(",")):
+            disk = a.disk and stage > 0
             e = estimate_memory(shapes, stage, n, a.optimizer, not a.no_accumulation,
                                 "float16" if a.mixed_precision else None,
                                 stage3_param_persistence_threshold=a.persistence_threshold,
-                                stage3_model_persistence_threshold=a.model_persistence_threshold)
-            rows.append({k: e[k] for k in ("stage", "op_size", "phi", "total", *KINDS)} | {"formula": e["formula"]})
+                                stage3_model_persistence_threshold=a.model_persistence_threshold,
+                                optimizer_offload="disk" if disk else False, offload_chunk_mb=a.chunk_mb)
+            extra = ("optimizer_disk", "disk_io_per_step", "offload_buffers") if disk else ()
+            rows.append({k: e[k] for k in ("stage", "op_size", "phi", "total", *KINDS, *extra)}
+                        | {"formula": e["formula"]})
             print(f"| {stage} | {n} | {e['parameters'] / mib:.1f} | {e['gradients'] / mib:.1f} | "
                   f"{e['optimizer_states'] / mib:.1f} | {e['total'] / mib:.1f} | {e['formula']['total'] / mib:.1f} | "
                   f"{names.get(stage, '')} | "
-                  f"{e['formulas']['fp32' if a.mixed_precision else 'mixed_precision']['total'] / mib:.1f} |")
+                  f"{e['formulas']['fp32' if a.mixed_precision else 'mixed_precision']['total'] / mib:.1f} |"
+                  + ("".join(f" {e.get(k, 0) / mib:.1f} |" for k in ("optimizer_disk", "disk_io_per_step",
+                                                                      "offload_buffers")) if a.disk else ""))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

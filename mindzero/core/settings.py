@@ -23,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import CheckpointOptions, EmaPolicy, MixedPrecision, check_option
+from .offload import OffloadPolicy
 from .options import ARGUMENT_DEFAULTS, NOT_IN_SETTINGS
 
 SETTING_KEYS = tuple(k for k in ARGUMENT_DEFAULTS if k not in NOT_IN_SETTINGS)
@@ -54,7 +55,8 @@ def check_settings(settings, source: str = "settings") -> dict:
         else:
             raise ConfigError(f"{source}: unknown key {key!r} (value {value!r}); the keys are "
                               f"{sorted([*SETTING_KEYS, 'checkpoint'])}")
-    for pair, parse in ((("param_dtype", "reduce_dtype"), MixedPrecision.parse), (("ema", "updates"), EmaPolicy.parse)):
+    for pair, parse in ((("param_dtype", "reduce_dtype"), MixedPrecision.parse), (("ema", "updates"), EmaPolicy.parse),
+                        (("optimizer_offload", "offload_dir"), OffloadPolicy.parse)):
         if any(k in out for k in pair):  # the rule that joins the two
             first = pair[1] if pair[1] in out and pair[0] not in out else pair[0]
             _check(lambda: parse(*(out.get(k, ARGUMENT_DEFAULTS[k]) for k in pair)), source, first, out.get(first))

@@ -68,7 +68,10 @@ def test_section_of_an_application_file(tmp_path):
     ("scale_sense", {"init_loss_scale": 1024, "scale_factor": 1, "scale_window": 10}, "scale_factor a number > 1"),
     ("ema", 1.5, "ema must be None, a decay in \\(0, 1\\)"),
     ("updates", -2, "must be an int >= 0"),
-    ("optimizer_offload", "false", "optimizer_offload must be a bool"),
+    ("optimizer_offload", "false", "optimizer_offload must be a bool, 'host' or 'disk'"),
+    ("optimizer_offload", "disk", "offload_dir must be a directory path when optimizer_offload='disk', got None"),
+    ("offload_dir", "/scratch", "offload_dir='/scratch' is given but optimizer_offload=False"),
+    ("offload_chunk_mb", -1, "offload_chunk_mb must be a number > 0"),
     ("stage3_regather", None, "stage3_regather must be a bool"),
     ("comm_fusion", {"broadcast": {}}, "comm_fusion key 'broadcast' is not one of"),
     ("comm_fusion", {"allgather": {"bucket_size": 0}}, "bucket_size'\\] must be a number of bytes >= 1"),
@@ -128,3 +131,9 @@ def test_unreadable_and_malformed_files(tmp_path):
         load_config(write(tmp_path, "- 1\n- 2\n", "list.yaml"))
     with pytest.raises(ConfigError, match=r"^config: must be a mapping"):
         resolve_settings(42)
+
+
+def test_disk_offload_in_a_settings_file(tmp_path):
+    data = {"zero_stage": 2, "optimizer_offload": "disk", "offload_dir": "/scratch/states", "offload_chunk_mb": 16,
+            "offload_keep": True}
+    assert {k: v for k, v in load_config(write(tmp_path, data)).items() if k != "checkpoint"} == data
