@@ -16,6 +16,7 @@ from .core.config import (STAGES, CheckpointOptions, EmaPolicy, GroupPolicy, Los
 from .core.estimate import estimate_memory  # noqa: F401
 from .core.host import release_host_memory  # noqa: F401
 from .core.memory import expected_bytes  # noqa: F401
+from .core.offload import OffloadError, OffloadPolicy  # noqa: F401
 from .core.plan import ParamInfo, PartitionPlan, ShardSpec  # noqa: F401
 from .core.settings import ConfigError, load_config  # noqa: F401
 from .core.topology import HybridLayout, LayoutError, World  # noqa: F401
@@ -54,7 +55,7 @@ _LAZY = {
 __all__ = sorted(["STAGES", "CheckpointOptions", "EmaPolicy", "GroupPolicy", "LossScale", "MixedPrecision",
                   "StagePolicy", "ZeroConfig", "stage_policy", "estimate_memory", "release_host_memory",
                   "expected_bytes", "ParamInfo", "PartitionPlan", "ShardSpec", "ConfigError", "load_config",
-                  "HybridLayout", "LayoutError", "World", *_LAZY])
+                  "HybridLayout", "LayoutError", "World", "OffloadError", "OffloadPolicy", *_LAZY])
 
 
 def __getattr__(name):

@@ -182,12 +182,8 @@ class DiskOffload:
             self.file.write(buf, piece.offset)
         self.file.flush()
 
-    def states(self, optimizer_names) -> list:
-        """``[(attr, index, DiskState)]`` of every offloaded state (``optimizer_names``: not used, order only)."""
-        return [(attr, i, DiskState(self, attr, i, self.names[attr][i], self.dtypes[attr][i], self.shapes[i]))
-                for attr in self.state_attrs for i in range(len(self.numels))]
-
     def state(self, attr, index) -> DiskState:
+        """What a checkpoint reads and loads for optimizer parameter ``index``'s state ``attr``."""
         return DiskState(self, attr, index, self.names[attr][index], self.dtypes[attr][index], self.shapes[index])
 
     # -- the streamed update ---------------------------------------------------------------------------------
