@@ -140,6 +140,10 @@ def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: Par
     targets = [ps.target for ps in params]
     offload = None
     if config.offload.disk:  # the file first (directory and space checked), then each state written as it is made
+        if world.device != "CPU":
+            raise ValueError(f"optimizer_offload='disk' runs on CPU only (device {world.device!r}): the streamed "
+                             "update shares the parameters' memory with its buffers, which a device's memory is not; "
+                             "on GPU/Ascend use optimizer_offload='host' (docs/stages.md)")
         offload = DiskOffload(optimizer, optimizer_states(optimizer),
                               [ps.spec.shard_size if ps.sharded else ps.spec.numel for ps in params], config.offload,
                               world.world_rank)
