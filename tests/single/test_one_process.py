@@ -191,7 +191,7 @@ def _net_opt(model="awkward"):
     (dict(dp_group=3), ValueError, "dp_group must be None or a group name"),
     (dict(ema=object()), ValueError, "ema must be None, a decay in"),
     (dict(updates=5), ValueError, "updates is the EMA's initial step count and needs ema"),
-    (dict(optimizer_offload=1), ValueError, "optimizer_offload must be a bool, got 1"),
+    (dict(optimizer_offload=1), ValueError, "optimizer_offload must be a bool, 'host' or 'disk', got 1"),
     (dict(comm_fusion={"all_reduce": {"bucket_size": 1}}), ValueError,
      "comm_fusion key 'all_reduce' is not one of"),
     (dict(comm_fusion={"allgather": {"bucket_size": 0}}), ValueError,
