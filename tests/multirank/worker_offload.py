@@ -1,11 +1,13 @@
 """Disk offload across processes (2 ranks): memory, checkpoints through the state file, a rank killed mid-update.
 
-``--phase kill``: the mixed net at stage 3 with its states on disk trains 2 steps and saves ``<root>/step_2``; in
-the third step's update rank 1 dies (``os._exit``) halfway through the pieces.
+``--phase kill``: first the memory with the states on disk (below), then the mixed net at stage 3 with its states
+on disk trains 2 steps and saves ``<root>/step_2``; in the third step's update rank 1 dies (``os._exit``) halfway
+through the pieces.
 
-``--phase memory`` / ``memory-in-memory`` (one launch each, so each process's heap is its own): a 16.8M-parameter
-chain of Dense layers (built under ``lazy_init``) at stage 3, states on disk / in memory, prepared and trained 3
-steps: peak RSS growth over prepare + steps, and the state bytes (``memory.json``).
+Memory, the first thing each launch does (so each process's heap is its configuration's alone): a 16.8M-parameter
+chain of Dense layers (built under ``lazy_init``) at stage 3, states on disk (``kill``, ``memory.json``) or in
+memory (``main``, ``main.json``), prepared and trained 3 steps: peak RSS growth over prepare + steps, and the
+state bytes.
 
 ``--phase main``: writes ``<out>/rank_<r>/main.npz`` and ``main.json``:
 
@@ -96,24 +98,22 @@ def mixed_run(world, stage, disk_dir=None, load=None, save=None, steps=range(4),
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", choices=("kill", "main", "memory", "memory-in-memory"), required=True)
+    ap.add_argument("--phase", choices=("kill", "main"), required=True)
     ap.add_argument("--root", required=True, help="checkpoints and offload directories (shared by the ranks)")
     worker = start(ap)
     args, world, out_dir = worker.args, worker.world, worker.rank_dir
     root = os.path.abspath(args.root)
     disk = os.path.join(root, "offload")
     os.makedirs(disk, exist_ok=True)
-    if args.phase.startswith("memory"):  # one launch each: a process's heap is its configuration's alone
-        report = memory_run(disk if args.phase == "memory" else None, world)
-        (out_dir / "memory.json").write_text(json.dumps(report))
-        worker.finish()
-        return
     if args.phase == "kill":
+        # first in this process (its heap its own): the memory with the states on disk
+        (out_dir / "memory.json").write_text(json.dumps(memory_run(disk, world)))
         mixed_run(world, 3, disk, save=os.path.join(root, "step_2"), steps=range(3), kill_in_update=2)
         print("not reached: the update ran through", flush=True)
         return
     result = {"left_by_the_kill": sorted(os.listdir(os.path.join(disk, f"rank_{world.world_rank}")))
               if os.path.isdir(os.path.join(disk, f"rank_{world.world_rank}")) else []}
+    result["memory-in-memory"] = memory_run(None, world)  # first in this process, as the disk run in the kill launch
     arrays = {}
     # after the kill: step_2 into a disk run, one more step, against three straight in memory
     straight3 = mixed_run(world, 3, steps=range(3))
