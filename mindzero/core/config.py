@@ -401,9 +401,7 @@ class ZeroConfig:
             object.__setattr__(self, "offload", OffloadPolicy.parse(self.optimizer_offload))
         if not isinstance(self.offload, OffloadPolicy):
             raise ValueError(f"offload must be an OffloadPolicy, got {self.offload!r}")
-        if self.offload.disk and self.zero_stage == 0:
-            raise ValueError("optimizer_offload='disk' needs zero_stage 1, 2 or 3 (each rank streams its shard of the "
-                             "optimizer states from disk); got zero_stage=0")
+        self.offload.check_stage(self.zero_stage)
         if not is_number(self.clip_norm) or not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be a number > 0, got {self.clip_norm!r}")
         self.stage3.check_stage(self.zero_stage)

@@ -136,8 +136,7 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
     stage3.check_stage(zero_stage)
     plan = PartitionPlan.build(infos, op_size, 0, **stage3.persistence(zero_stage))
     offload = OffloadPolicy.parse(optimizer_offload, "." if optimizer_offload == "disk" else None, offload_chunk_mb)
-    if offload.disk and zero_stage == 0:
-        raise ValueError("optimizer_offload='disk' needs zero_stage 1, 2 or 3; got zero_stage=0")
+    offload.check_stage(zero_stage)
     out = expected_bytes(plan, policy, states, gradient_accumulation, precision=precision, quant=quant,
                          offload=offload if offload.disk else None, split_pieces=key in SPLITTABLE)
     out["total"] = sum(out[k] for k in KINDS) + out.get("offload_buffers", 0)

@@ -91,7 +91,7 @@ def expected_bytes(plan: PartitionPlan, policy: StagePolicy, n_states: int, accu
             out["gradients"] += (s.shard_size if (policy.shard_gradients and s.sharded) else s.numel) * grad_item
     if disk:
         layout = StateLayout.build([n for n, _ in targets], [max((w for _, w in targets), default=4)] * n_states,
-                                   int(offload.chunk_mb * 2 ** 20), split_pieces)
+                                   offload.chunk_bytes, split_pieces)
         out["optimizer_disk"] = layout.nbytes  # the moments, each piece's states 64-byte aligned
         out["disk_io_per_step"] = 2 * out["optimizer_disk"]
         out["optimizer_moments"] = 0

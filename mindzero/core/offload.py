@@ -94,6 +94,21 @@ class OffloadPolicy:
         return self.tier == "disk"
 
     @property
+    def chunk_bytes(self) -> int:
+        """``chunk_mb`` in bytes: the most state bytes of a piece."""
+        return int(self.chunk_mb * 2 ** 20)
+
+    def check_stage(self, zero_stage: int) -> None:
+        """The disk tier streams each rank's shard of the states: it needs a stage that shards them.
+
+        Raises:
+            ValueError: ``"disk"`` at stage 0.
+        """
+        if self.disk and zero_stage == 0:
+            raise ValueError("optimizer_offload='disk' needs zero_stage 1, 2 or 3 (each rank streams its shard of the "
+                             "optimizer states from disk); got zero_stage=0")
+
+    @property
     def host(self) -> bool:
         return self.tier == "host"
 

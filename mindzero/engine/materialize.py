@@ -47,7 +47,7 @@ def _initializer_classes():
     return one, none
 
 
-def _np_dtype(ms_dtype):
+def np_dtype(ms_dtype):
     from mindspore.common import dtype as mstype
 
     return mstype._dtype_to_nptype(ms_dtype)  # pylint: disable=protected-access  (as Tensor.init_data)
@@ -56,7 +56,7 @@ def _np_dtype(ms_dtype):
 def _new_array(init_tensor) -> np.ndarray:
     from mindspore.common.initializer import Zero
 
-    shape, dtype = tuple(init_tensor.shape), _np_dtype(init_tensor.dtype)
+    shape, dtype = tuple(init_tensor.shape), np_dtype(init_tensor.dtype)
     return np.zeros(shape, dtype) if isinstance(init_tensor.init, Zero) else np.ndarray(shape, dtype)
 
 
@@ -184,7 +184,7 @@ def shard_of(param, spec, digests=None) -> np.ndarray:
     from mindspore.common.initializer import Zero
 
     if is_lazy(param) and isinstance(param.init_mode.init, Zero):
-        return np.zeros(spec.shard_size if spec.sharded else spec.numel, _np_dtype(param.dtype))
+        return np.zeros(spec.shard_size if spec.sharded else spec.numel, np_dtype(param.dtype))
     full = full_array(param)
     if digests is not None:
         digests[spec.name] = crc32_array(full)

@@ -31,20 +31,13 @@ from pathlib import Path
 
 import numpy as np
 from mindspore import Parameter, Tensor
-from mindspore.common import dtype as mstype
 
+from ..core.plan import dtype_bytes
 from ..core.offload import ALIGN_BYTES, SLOTS, OffloadError, OffloadPolicy, StateFile, StateLayout, check_directory, states_at
+from .materialize import np_dtype
 from .optim import optimizer_view, param_tuple, shared_scalars, splits_parameters, view_signature
 
 _SERIAL = itertools.count()  # one file per train step of this process
-
-
-def np_dtype(ms_dtype):
-    return mstype._dtype_to_nptype(ms_dtype)  # pylint: disable=protected-access  (as Tensor.init_data)
-
-
-def _itemsize(ms_dtype) -> int:
-    return np.dtype(np_dtype(ms_dtype)).itemsize
 
 
 class DiskState:
@@ -55,10 +48,6 @@ class DiskState:
     def __init__(self, offload, attr, index, name, dtype, shape):
         self.offload, self.attr, self.index = offload, attr, index
         self.name, self.dtype, self.shape = name, dtype, tuple(shape)
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * _itemsize(self.dtype)
 
     def asnumpy(self) -> np.ndarray:
         return self.offload.read_state(self.attr, self.index).reshape(self.shape)
@@ -80,8 +69,8 @@ class DiskOffload:
         self.state_attrs = tuple(state_attrs)
         params = param_tuple(optimizer)
         self.dtypes = {attr: [s.dtype for s in getattr(optimizer, attr)] for attr in self.state_attrs}
-        itemsizes = [max((_itemsize(d) for d in self.dtypes[attr]), default=4) for attr in self.state_attrs]
-        self.layout = StateLayout.build(numels, itemsizes, int(policy.chunk_mb * 2 ** 20), splits_parameters(optimizer))
+        itemsizes = [max((dtype_bytes(d) for d in self.dtypes[attr]), default=4) for attr in self.state_attrs]
+        self.layout = StateLayout.build(numels, itemsizes, policy.chunk_bytes, splits_parameters(optimizer))
         self.numels = tuple(int(n) for n in numels)
         self.names = {attr: [s.name for s in getattr(optimizer, attr)] for attr in self.state_attrs}
         self.shapes = [None] * len(params)
@@ -106,7 +95,7 @@ class DiskOffload:
         """Write ``state`` (optimizer parameter ``index``'s state ``attr``, as sharded) to the file; return the
         one-element stand-in the optimizer holds instead."""
         self.shapes[index] = tuple(state.shape)
-        self.write_state(attr, index, state.asnumpy())
+        self.write_state(attr, index, state.asnumpy(), flush=False)  # finish() makes the whole fill durable
         stand_in = Parameter(Tensor(np.zeros((1,), np_dtype(state.dtype))), name=state.name, requires_grad=False)
         self.placeholders.append(stand_in)
         return stand_in
@@ -114,11 +103,12 @@ class DiskOffload:
     def finish(self, optimizer, accumulate: bool) -> None:
         """After the optimizer was re-pointed: the gradient buffers (with accumulation: the step's gradients wait
         there; without, they are the step graph's output), the shared scalars, the slots and the views."""
+        self.file.flush()  # the states written by keep()
         self.optimizer = optimizer
         params = list(param_tuple(optimizer))
         self.grads = [Parameter(Tensor(np.zeros(p.shape, np_dtype(p.dtype))), name="zero_offload_grad." + p.name,
                                 requires_grad=False) for p in params] if accumulate else []
-        self.scalars = shared_scalars(optimizer, self.state_attrs)
+        self.scalars = list(shared_scalars(optimizer, self.state_attrs).values())
         # a slot: [the piece's parameter values][its states, as in the file]
         self.param_dtypes = [np.dtype(np_dtype(p.dtype)) for p in params]
         self.states_at = states_at(self.layout, [d.itemsize for d in self.param_dtypes])
@@ -172,15 +162,17 @@ class DiskOffload:
             out.append(self._state_array(buf, piece, attr).copy())
         return np.concatenate(out) if out else np.zeros(0, np_dtype(self.dtypes[attr][index]))
 
-    def write_state(self, attr, index, value) -> None:
-        """Set optimizer parameter ``index``'s state ``attr`` to ``value`` (any shape of its size)."""
+    def write_state(self, attr, index, value, flush: bool = True) -> None:
+        """Set optimizer parameter ``index``'s state ``attr`` to ``value`` (any shape of its size); ``flush``: make it
+        durable and drop it from the page cache now."""
         flat = np.ascontiguousarray(value).reshape(-1)
         for piece in self.layout.pieces_of(index):
             buf = np.empty(self.layout.record_bytes(piece), np.uint8)
             self.file.read(buf, piece.offset)
             self._state_array(buf, piece, attr)[:] = flat[piece.start:piece.stop]
             self.file.write(buf, piece.offset)
-        self.file.flush()
+        if flush:
+            self.file.flush()
 
     def state(self, attr, index) -> DiskState:
         """What a checkpoint reads and loads for optimizer parameter ``index``'s state ``attr``."""

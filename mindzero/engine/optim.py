@@ -342,7 +342,6 @@ def optimizer_view(optimizer, index: int, param, states: dict):
     nn.Cell.__init__(view, auto_prefix=False)
     internal = set(vars(view))
     old = param_tuple(optimizer)
-    replaced = {id(p) for p in old} | {id(s) for attr in states for s in getattr(optimizer, attr)}
     for key, value in vars(optimizer).items():
         if key in internal:
             continue
@@ -355,16 +354,14 @@ def optimizer_view(optimizer, index: int, param, states: dict):
         elif isinstance(value, tuple) and len(value) == n:
             value = (value[index],)
         object.__setattr__(view, key, value)
-    for key, p in optimizer._params.items():  # pylint: disable=protected-access
-        if id(p) not in replaced:
-            view._params[key] = p  # pylint: disable=protected-access
+    for key, p in shared_scalars(optimizer, states).items():
+        view._params[key] = p  # pylint: disable=protected-access
     for p in (param, *states.values()):
         view._params[p.name] = p  # pylint: disable=protected-access
     for key, cell in optimizer._cells.items():  # pylint: disable=protected-access
         view._cells[key] = cell  # pylint: disable=protected-access
     if isinstance(optimizer, TorchStyleOptimizer):
-        starts = optimizer.group_start_id
-        group = next(g for g in range(len(starts) - 1) if starts[g] <= index < starts[g + 1])
+        group = _group_of(optimizer, index)
         entry = dict(optimizer.param_groups[group], params=[param])
         for key in states:
             if key in entry:
@@ -387,13 +384,19 @@ def view_signature(optimizer, index: int, state_attrs) -> tuple:
         item = value[index]
         out.append((key, id(item) if not isinstance(item, (bool, int, float, str, type(None))) else item))
     if isinstance(optimizer, TorchStyleOptimizer):
-        starts = optimizer.group_start_id
-        out.append(("group", next(g for g in range(len(starts) - 1) if starts[g] <= index < starts[g + 1])))
+        out.append(("group", _group_of(optimizer, index)))
     return tuple(out)
 
 
-def shared_scalars(optimizer, state_attrs) -> list:
-    """The Parameters of ``optimizer`` that are neither its parameters nor their states: step counters, learning
-    rates, beta powers (what each call of the optimizer, or of a view of it, may advance)."""
+def shared_scalars(optimizer, state_attrs) -> dict:
+    """The Parameters of ``optimizer`` that are neither its parameters nor their states, by the attribute name the
+    optimizer reads them under: step counters, learning rates, beta powers (what each call of the optimizer, or of a
+    view of it, may advance)."""
     own = {id(p) for p in param_tuple(optimizer)} | {id(s) for attr in state_attrs for s in getattr(optimizer, attr)}
-    return [p for p in optimizer._params.values() if id(p) not in own]  # pylint: disable=protected-access
+    return {key: p for key, p in optimizer._params.items() if id(p) not in own}  # pylint: disable=protected-access
+
+
+def _group_of(optimizer, index: int) -> int:
+    """The parameter group of a mint optimizer that holds its parameter ``index``."""
+    starts = optimizer.group_start_id
+    return next(g for g in range(len(starts) - 1) if starts[g] <= index < starts[g + 1])
