@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "prepare_train_network": "mindzero.engine.prepare",
     "memory_report": "mindzero.engine.report",
-    "register_elementwise_optimizer": "mindzero.engine.optim",
+    "register_elementwise_optimizer": "mindzero.engine.probe",
     "lazy_init": "mindzero.engine.materialize",
     "gather_full_state_dict": "mindzero.checkpoint.live",
     "load_checkpoint": "mindzero.checkpoint.live",

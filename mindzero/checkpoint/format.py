@@ -20,7 +20,8 @@ plan shards it), the ``shard_size``, total ``padding`` and this rank's
 (relative to the checkpoint directory) and ``key`` inside it. A tensor that is
 not sharded is stored whole: identical replicated tensors once (by rank 0, the
 ``file`` every rank names), per-rank buffers such as BatchNorm statistics in each
-rank's own file (a merge takes rank 0's). :func:`placement` is the rule.
+rank's own file (a merge takes rank 0's), the state (or fp32 master) of a parameter updated whole on an owner
+rank in that rank's file, ``owner`` naming it (format version 3). :func:`placement` is the rule.
 
 The file-level keys keep the names of format versions 1-2: ``group_size`` is the op group's size
 and ``rank`` this file's shard index in it (``SplitInfo.op_size`` / ``op_rank`` in Python);
@@ -46,8 +47,8 @@ from ..core.config import stage_policy
 from ..core.plan import is_per_rank, valid_elements
 from ..core.checksum import crc32_bytes
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: no checksums (read without verification)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 1: no checksums (read without verification); 3: optimizer states owned whole
 COMPLETE = "COMPLETE"  # the marker file written last into a finished checkpoint directory
 KINDS = ("parameter", "optimizer_state", "master", "ema", "scalar")
 
@@ -71,6 +72,7 @@ class TensorEntry:
     file: str
     key: str
     crc32: Optional[int] = None  # CRC-32 of the piece's bytes (format_version 2; None: written by another rank)
+    owner: Optional[int] = None  # the op rank that holds it whole (an owner-mode parameter's state or master)
 
     @property
     def numel(self) -> int:
@@ -152,6 +154,9 @@ class SplitInfo:
             if entry.crc32 is not None and (not is_int(entry.crc32) or not 0 <= entry.crc32 < 1 << 32):
                 raise SplitInfoError(f"{path}: tensors[{i}] ({entry.name}) has crc32 {entry.crc32!r}, expected an "
                                      "unsigned 32-bit int or null")
+            if entry.owner is not None and (not is_int(entry.owner) or not 0 <= entry.owner < raw["group_size"]):
+                raise SplitInfoError(f"{path}: tensors[{i}] ({entry.name}) has owner {entry.owner!r}, expected an op "
+                                     f"rank in [0, {raw['group_size']}) or null")
             if entry.kind not in KINDS:
                 raise SplitInfoError(f"{path}: tensors[{i}] ({entry.name}) has kind {entry.kind!r}, "
                                      f"expected one of {KINDS}")
@@ -172,17 +177,23 @@ class SplitInfo:
         return {t.name: t for t in self.tensors}
 
 
-def placement(kind: str, stage: int, plan_sharded: bool, per_rank: bool, op_rank: int, fmt: str):
+def placement(kind: str, stage: int, plan_sharded: bool, per_rank: bool, op_rank: int, fmt: str, owner=None,
+              whole: bool = False):
     """Where one tensor lives in a checkpoint of ``stage``: ``(stored sharded, file)``.
 
     The one rule, used by saving and by resharding: a parameter (and its EMA) is stored in shards at stage 3 and
-    an optimizer state (and a master value) from stage 1 on, when the plan shards its parameter; shards and per-rank
-    buffers go to op rank ``op_rank``'s own file (``rank_<op_rank>``); identical replicated tensors are written once, by rank 0,
-    into ``network.<fmt>`` (full network parameters, stages 0-2) or ``rank_0.<fmt>``.
+    an optimizer state (and a master value) from stage 1 on, when the plan shards its parameter, unless it is kept
+    ``whole`` (a state of another shape than its parameter: one value per parameter, factored statistics) or
+    held by an ``owner`` (an owner-mode parameter's states and master, whole in op rank ``owner``'s file); shards
+    and per-rank buffers go to op rank ``op_rank``'s own file (``rank_<op_rank>``); identical replicated tensors
+    are written once, by rank 0, into ``network.<fmt>`` (full network parameters, stages 0-2) or ``rank_0.<fmt>``.
     """
+    if owner is not None:
+        return False, f"rank_{owner}.{fmt}"
     policy = stage_policy(stage)
-    sharded = plan_sharded and ((kind in ("parameter", "ema") and policy.shard_parameters)
-                                or (kind in ("optimizer_state", "master") and policy.shard_optimizer_states))
+    sharded = plan_sharded and not whole and (
+        (kind in ("parameter", "ema") and policy.shard_parameters)
+        or (kind in ("optimizer_state", "master") and policy.shard_optimizer_states))
     if sharded or per_rank:
         return sharded, f"rank_{op_rank}.{fmt}"
     if kind == "parameter" and not policy.shard_parameters:
@@ -190,17 +201,18 @@ def placement(kind: str, stage: int, plan_sharded: bool, per_rank: bool, op_rank
     return False, f"rank_0.{fmt}"
 
 
-def entry_at(name: str, kind: str, shape, dtype: str, spec, stage: int, fmt: str) -> TensorEntry:
+def entry_at(name: str, kind: str, shape, dtype: str, spec, stage: int, fmt: str, owner=None,
+             whole: bool = False) -> TensorEntry:
     """The :class:`TensorEntry` of one tensor placed by :func:`placement` in a checkpoint of ``stage``;
     ``spec`` is its parameter's :class:`mindzero.core.plan.ShardSpec` for the rank that stores it (``None`` for
-    scalars, which rank 0 stores)."""
+    scalars, which rank 0 stores); ``owner`` / ``whole``: see :func:`placement`."""
     per_rank = kind == "parameter" and spec is not None and spec.per_rank
     op_rank = spec.op_rank if spec is not None else 0
-    sharded, file = placement(kind, stage, bool(spec and spec.sharded), per_rank, op_rank, fmt)
+    sharded, file = placement(kind, stage, bool(spec and spec.sharded), per_rank, op_rank, fmt, owner, whole)
     shape = tuple(shape)
     return TensorEntry(name, kind, spec.name if spec else "", shape, dtype, sharded, spec.reason if spec else "",
                        spec.shard_size if sharded else math.prod(shape), spec.padding if sharded else 0,
-                       spec.offset if sharded else 0, file, name)
+                       spec.offset if sharded else 0, file, name, owner=owner)
 
 
 def split_info_name(rank: int) -> str:
@@ -223,7 +235,7 @@ def read_all(ckpt_dir) -> list:
 def check_consistent(infos, paths) -> None:
     """Raise :class:`SplitInfoError` unless the files describe the ranks 0..N-1 of one checkpoint."""
     ref = infos[0]
-    ref_tensors = {t.name: (t.kind, t.param, t.shape, t.dtype, t.sharded) for t in ref.tensors}
+    ref_tensors = {t.name: (t.kind, t.param, t.shape, t.dtype, t.sharded, t.owner) for t in ref.tensors}
     for info, path in zip(infos, paths):
         for key in ("run_id", "stage", "op_size", "step", "format", "plan_fingerprint", "format_version"):
             if getattr(info, key) != getattr(ref, key):
@@ -231,7 +243,7 @@ def check_consistent(infos, paths) -> None:
                                      f"rank 0 has {getattr(ref, key)!r} (files from different checkpoints?)")
         if info.op_rank != paths.index(path):
             raise SplitInfoError(f"{path}: field 'rank' is {info.op_rank}, expected {paths.index(path)}")
-        tensors = {t.name: (t.kind, t.param, t.shape, t.dtype, t.sharded) for t in info.tensors}
+        tensors = {t.name: (t.kind, t.param, t.shape, t.dtype, t.sharded, t.owner) for t in info.tensors}
         if tensors != ref_tensors:
             missing = sorted(set(ref_tensors) - set(tensors))
             extra = sorted(set(tensors) - set(ref_tensors))

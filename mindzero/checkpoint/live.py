@@ -4,8 +4,9 @@
 A checkpoint is a directory written by all ranks together:
 
 * ``rank_<r>.<ext>``: what rank ``r`` alone holds: its shards (stage-3 parameters,
-  sharded optimizer states) and its own buffers (e.g. BatchNorm statistics); rank 0's
-  file also holds the replicated tensors (step counters, loss scale, replicated states);
+  sharded optimizer states), the states of the parameters it owns (owner mode, whole) and its own
+  buffers (e.g. BatchNorm statistics); rank 0's file also holds the replicated tensors (step
+  counters, loss scale, replicated states);
 * ``network.<ext>``: stages 0-2, the full network parameters, written once by rank 0;
 * ``params_split_info_<r>.json``: the schema of :mod:`mindzero.checkpoint.format`, enough to rebuild
   every full tensor without model code;
@@ -20,9 +21,8 @@ for an asynchronous save a flag file per rank) rank 0 writes ``COMPLETE`` and re
 into place. A rank that fails to write (e.g. a full disk) makes every rank raise and the
 ``.partial`` directory is removed. A crash leaves at most a
 ``.partial`` directory, which nothing loads; an existing ``<dir>`` is never touched.
-Master shards (stages 1-2) are slices of the saved full parameters and are rebuilt on
-load, except in a ``param_dtype`` run, whose fp32 masters are saved (kind ``master``); a split parameter
-(stage 1 without ``param_dtype``) is saved and loaded as its full value (:class:`~mindzero.engine.split.FullView`); accumulation
+Masters without ``param_dtype`` (stage 1-2 master shards, a stage-3 owner's full master) are the saved parameters'
+values and are rebuilt on load; a ``param_dtype`` run's fp32 masters are saved (kind ``master``). Accumulation
 buffers are empty at an update step, the only time a save is allowed.
 """
 from __future__ import annotations
@@ -34,47 +34,54 @@ from mindspore import Tensor
 
 from ..comm.backends import backend_of
 from ..comm.cells import Barrier
+from ..core.optim_plan import ELEMENT, FLAT, OWNER
 from ..core.plan import shard_array
-from ..engine.split import network_values
+from ..core.state import BROADCAST, GATHER
 from .directory import CheckpointError
 from .format import SplitInfo, entry_at
 from .tensor_io import MS_TO_NAME
 
 
 def live_tensors(train_net, fmt: str = "ckpt") -> list:
-    """``[(TensorEntry, Parameter)]`` for every tensor this rank's checkpoint holds, in a fixed order:
-    network parameters (plan order), optimizer states, then scalars (step counters, loss scale).
-    Where each lives follows :func:`mindzero.checkpoint.format.placement`."""
+    """``[(TensorEntry, Parameter or None)]`` for every tensor of the checkpoint, in a fixed order: network
+    parameters (plan order), optimizer states, masters, EMA, then scalars (step counters, loss scale). Every rank
+    lists every entry; the value is ``None`` where another rank holds the tensor (an owner-mode parameter's states
+    and master on every rank but its owner). Where each lives follows :func:`mindzero.checkpoint.format.placement`."""
     info = train_net.zero_info
-    stage = info.config.zero_stage
+    stage, op_rank, layout = info.config.zero_stage, info.world.op_rank, info.layout
     out = []
 
-    def add(name, kind, param_name, p):
-        spec = info.plan[param_name] if param_name else None
-        shape = spec.shape if spec else p.shape
-        out.append((entry_at(name, kind, shape, MS_TO_NAME[str(p.dtype)], spec, stage, fmt), p))
+    def add(name, kind, spec, value, shape=None, dtype=None, owner=None, whole=False):
+        dtype = dtype or MS_TO_NAME[str(value.dtype)]
+        out.append((entry_at(name, kind, spec.shape if shape is None else shape, dtype, spec, stage, fmt, owner, whole),
+                    value))
 
-    net_params = network_values(train_net)
+    net_params = {p.name: p for p in train_net.network.get_parameters()}
     for spec in info.plan:
-        add(spec.name, "parameter", spec.name, net_params[spec.name])
+        add(spec.name, "parameter", spec, net_params[spec.name])
     disk = info.offload  # optimizer_offload="disk": the states are read from (and loaded into) its file
-    for attr in info.state_attrs:
-        for i, (param_name, p) in enumerate(zip(info.opt_param_names, getattr(train_net.optimizer, attr))):
-            add(p.name, "optimizer_state", param_name, disk.state(attr, i) if disk is not None else p)
+    for i, ps in enumerate(info.params):
+        owner = ps.update.owner if ps.update.mode == OWNER else None
+        for st in ps.update.states:
+            value = None if owner not in (None, op_rank) else \
+                disk.state(st.attr, i) if disk is not None else layout.states[st.attr][i]
+            add(st.name, "optimizer_state", ps.spec, value, st.shape, st.dtype, owner,
+                whole=st.layout != ELEMENT or ps.update.mode != FLAT)
     if info.precision.enabled:  # the fp32 masters: not derivable from the param_dtype copies
-        for param_name, p in zip(info.opt_param_names, train_net.optimizer.parameters):
-            add(p.name, "master", param_name, p)
+        for ps in info.params:
+            owner = ps.update.owner if ps.update.mode == OWNER else None
+            value = ps.master.master if ps.master is not None else None
+            add("zero_master." + ps.name, "master", ps.spec, value, dtype="float32", owner=owner)
     if train_net.has_ema:
         for param_name, p in zip(info.opt_param_names, train_net.ema.ema_weights):
-            add(p.name, "ema", param_name, p)
-    taken = {id(p) for _, p in out}
-    rests = [pair.held for pair in info.split_pairs]  # saved within their parameters' full values
+            add(p.name, "ema", info.plan[param_name], p)
+    taken = {id(p) for _, p in out if p is not None}
     scratch = (*disk.placeholders, *disk.grads) if disk is not None else ()  # stand-ins, gradients between steps
-    skip = {id(p) for p in (*info.master_shards, *rests, *info.accum_buffers, *train_net.optimizer.parameters,
-                            *scratch)} | taken
+    states = [s for group in layout.states.values() for s in group]  # incl. a non-owner's stand-ins
+    skip = {id(p) for p in (*info.master_shards, *info.accum_buffers, *layout.params, *states, *scratch)} | taken
     for p in train_net.get_parameters():
         if id(p) not in skip:
-            add(p.name, "scalar", "", p)
+            out.append((entry_at(p.name, "scalar", p.shape, MS_TO_NAME[str(p.dtype)], None, stage, fmt), p))
     names = [e.name for e, _ in out]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -112,25 +119,17 @@ def load_checkpoint(train_net, ckpt_dir):
     if failed:
         raise CheckpointError(f"{ckpt_dir}: {failed} other rank(s) could not load their part (their logs say "
                               "why); nothing was loaded")
-    loaded = set()
-    for entry, p, value in values:
+    for _, p, value in values:
         p.set_data(Tensor(value, p.dtype))
-        loaded.add(entry.name)
-    for pair in info.master_pairs:  # masters the checkpoint does not hold: from the loaded parameters
-        if pair.master.name in loaded:
-            continue
-        value = pair.held.asnumpy()
-        if pair.shard_of_full:
-            value = shard_array(value, info.plan[pair.held.name])
-        pair.master.set_data(Tensor(value.astype(np.float32) if info.precision.enabled else value,
-                                    pair.master.dtype))
     for buf in info.accum_buffers:
         buf.set_data(Tensor(np.zeros(buf.shape, np.float32), buf.dtype))
     return saved
 
 
 def _read_for_load(train_net, ckpt_dir) -> list:
-    """``([(entry, Parameter, value)], rank 0's split info)``: everything this rank loads, read and verified."""
+    """``([(entry, Parameter, value)], rank 0's split info)``: everything this rank loads, read and verified; the
+    masters the checkpoint does not hold come from its parameters' values (a flat master shard is this rank's slice,
+    an owner's master the whole parameter)."""
     from .source import Source
 
     info = train_net.zero_info
@@ -142,6 +141,8 @@ def _read_for_load(train_net, ckpt_dir) -> list:
     params = {t.name for t in src.ref.tensors if t.kind == "parameter"}
     values = []  # read and verify everything before changing anything
     for entry, p in live:
+        if p is None:  # held by another rank (an owner's state)
+            continue
         name = entry.name
         if entry.kind == "parameter" and not info.precision.enabled and name in masters:
             name = masters[name]  # a param_dtype checkpoint into a full-precision run: the fp32 masters
@@ -157,6 +158,14 @@ def _read_for_load(train_net, ckpt_dir) -> list:
             raise CheckpointError(f"{ckpt_dir}: tensor {name!r} gives shape {value.shape}, the network's "
                                   f"{entry.name!r} has {tuple(p.shape)}")
         values.append((entry, p, value.reshape(p.shape)))
+    if not info.precision.enabled:  # masters beside full-precision parameters: their values
+        for ps in info.params:
+            pair = ps.master
+            if pair is None or not src.has(masters.get(ps.name, ps.name)):
+                continue
+            full = src.full(masters.get(ps.name, ps.name))
+            value = shard_array(full, info.plan[ps.name]) if pair.kind == GATHER else full
+            values.append((None, pair.master, value.reshape(pair.master.shape)))
     return values, src.ref
 
 
@@ -189,35 +198,41 @@ def gather_full_state_dict(train_net, ema: bool = False, masters: bool = False) 
 def iter_full_tensors(train_net, names=None, ema: bool = False, masters: bool = False):
     """``(name, full numpy array)`` of each network parameter in ``names`` (default: all, in plan order),
     one at a time; ``ema`` / ``masters`` as :func:`gather_full_state_dict`. Collective: every rank iterates
-    to the end (stage 3 all-gathers each shard)."""
+    to the end (stage 3 all-gathers each shard; an owner-mode parameter's fp32 master is broadcast from its
+    owner)."""
     info = train_net.zero_info
-    policy, optimized = info.config.policy, set(info.opt_param_names)
+    policy = info.config.policy
     if ema and masters:
         raise ValueError("gather_full_state_dict: pass ema=True or masters=True, not both")
-    values = network_values(train_net)
+    values = {p.name: p for p in train_net.network.get_parameters()}
+    shards = {name for name in values if info.plan[name].sharded and policy.shard_parameters}
+    owned = {}
     if masters:
         if not info.precision.enabled:
             raise ValueError("gather_full_state_dict(masters=True): this train step keeps no fp32 masters; pass "
                              "param_dtype to prepare_train_network")
-        values.update((pair.held.name, pair.master) for pair in info.master_pairs)
+        for ps in info.params:
+            if ps.update.mode == OWNER:
+                owned[ps.name] = ps
+            elif ps.master is not None:
+                values[ps.name] = ps.master.master
+                if ps.master.kind == GATHER:
+                    shards.add(ps.name)
     if ema:
         if not train_net.has_ema:
             raise ValueError("gather_full_state_dict(ema=True): this train step has no EMA; pass ema= to "
                              "prepare_train_network")
         values.update(zip(info.opt_param_names, train_net.ema.ema_weights))
-
-    def is_shard(name):  # where this rank holds a shard of what is asked for
-        if not info.plan[name].sharded:
-            return False
-        if masters and name in optimized:  # masters are sharded where the optimizer's states are
-            return policy.shard_optimizer_states
-        return policy.shard_parameters
-
-    gather = backend_of(info.world).host_gather()  # eager: no graph compiled per shape
+    backend = backend_of(info.world)
+    gather = backend.host_gather()  # eager: no graph compiled per shape
     for name in names if names is not None else [s.name for s in info.plan]:
-        p = values[name]
-        if is_shard(name):
-            spec = info.plan[name]
-            yield name, gather(p.value())[:spec.numel].reshape(spec.shape)
+        spec = info.plan[name]
+        if name in owned:
+            ps = owned[name]
+            mine = ps.update.owned_by(info.world.op_rank)
+            value = ps.master.master if mine else Tensor(np.zeros(spec.shape, np.float32))
+            yield name, backend.host_broadcast(ps.update.owner)(value).reshape(spec.shape)
+        elif name in shards:
+            yield name, gather(values[name].value())[:spec.numel].reshape(spec.shape)
         else:
-            yield name, p.asnumpy().copy()
+            yield name, values[name].asnumpy().copy()

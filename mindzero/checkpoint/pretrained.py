@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 from mindspore import Tensor
 
-from ..core.plan import shard_array
 from ..comm.cells import Barrier
-from ..engine.split import network_values
+from ..core.plan import shard_array
+from ..core.state import GATHER
 from .directory import CheckpointError
 from .live import iter_full_tensors
 from .tensor_io import CheckpointFileError, np_dtype, open_reader, open_writer
@@ -29,9 +29,9 @@ def load_pretrained(train_net, path, strict: bool = True, prefix: str = None) ->
     Every rank calls it (no collective but one agreement). Each rank reads the file one tensor at a time and
     keeps what it holds: the full value at stages 0-2 (and of replicated parameters), its own shard at stage 3,
     so no rank holds the full model, also after :func:`mindzero.lazy_init`. What follows the parameters
-    follows them: the stage 1-2 split parameters (shard and rest), the fp32 masters and the ``param_dtype`` copies of a
-    mixed-precision run (the masters take the file's values, the copies their cast), the EMA (it restarts
-    from the loaded weights); the optimizer states are left as they are (a fresh run's zeros).
+    follows them: the masters the optimizer updates (stage 1-2 master shards, an owner's full master, the fp32
+    masters of a mixed-precision run: they take the file's values, the ``param_dtype`` copies their cast), the EMA
+    (it restarts from the loaded weights); the optimizer states are left as they are (a fresh run's zeros).
 
     Args:
         strict: every network parameter must be in the file with its shape, and every tensor of the file
@@ -59,7 +59,7 @@ def load_pretrained(train_net, path, strict: bool = True, prefix: str = None) ->
     if failed:
         raise CheckpointError(f"{path}: {failed} other rank(s) could not load it (their logs say why); nothing was "
                               "loaded")
-    params = network_values(train_net)
+    params = {p.name: p for p in train_net.network.get_parameters()}
     states = {ps.name: ps for ps in info.params}
     emas = dict(zip(info.opt_param_names, train_net.ema.ema_weights)) if train_net.has_ema else {}
     stage3 = info.config.policy.shard_parameters
@@ -72,9 +72,10 @@ def load_pretrained(train_net, path, strict: bool = True, prefix: str = None) ->
         param = params[name]
         param.set_data(Tensor(held.astype(_np(param)).reshape(param.shape), param.dtype))
         ps = states.get(name)
-        if ps is not None and ps.master is not None and not ps.master.split:  # the optimizer's master takes the file's values
-            master = shard_array(full, spec) if ps.master.shard_of_full else held
-            ps.master.master.set_data(Tensor(master.astype(_np(ps.master.master)), ps.master.master.dtype))
+        if ps is not None and ps.master is not None:  # the optimizer's master takes the file's values
+            master = ps.master.master
+            value = shard_array(full, spec) if ps.master.kind == GATHER else full if master.shape == spec.shape else held
+            master.set_data(Tensor(value.astype(_np(master)).reshape(master.shape), master.dtype))
         if name in emas:
             emas[name].set_data(Tensor(held.astype(_np(emas[name])).reshape(emas[name].shape), emas[name].dtype))
     return report

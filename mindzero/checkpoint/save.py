@@ -148,12 +148,15 @@ class _SaveJob:
         self.tensors = []
 
     def own(self, entries):
-        """The entries whose pieces this rank writes: its own file, and rank 0 also the shared files (every
-        piece once). With hybrid sharding only replica 0 writes (the others hold the same shards)."""
+        """The entries whose pieces this rank writes: its own file (its shards, the states it owns), and rank 0
+        also the shared files (every piece once). With hybrid sharding only replica 0 writes (the others hold
+        the same shards)."""
         if self.split is None:
             return []
         rank = self.split.op_rank
-        return [(e, p) for e, p in entries if e.file == f"rank_{rank}.{self.split.format}" or rank == 0]
+        mine = f"rank_{rank}.{self.split.format}"
+        return [(e, p) for e, p in entries
+                if p is not None and (e.file == mine or (rank == 0 and not e.file.startswith("rank_")))]
 
     def write(self) -> None:
         if self.split is not None:

@@ -18,6 +18,9 @@ all-reduce (world)         ``AllReduce(world)``                 ``AllReduce(worl
 all-reduce (op group)      ``AllReduce(op group)``              hybrid: each replica fills its slot of an
                                                                 (R, ...) zero tensor, ``AllReduce(world)``
 any-rank flag (world)      ``AllReduce(SUM)`` of 0/1            the same (CPU has no MAX reduction)
+broadcast from an op rank  ``Broadcast(world)``; hybrid: an     ``Broadcast(world)``; hybrid: a world all-gather
+(owner mode's write-back)  op-group all-reduce of the root's    keeping the root's row (N x the bytes)
+                           values and the others' zeros
 =========================  ===================================  ==============================================
 
 ``single`` (a world of one rank, no ``init()``): every collective is the identity, so one process runs
@@ -39,7 +42,7 @@ from mindspore import Tensor, nn, ops
 
 from ..core.topology import COLLECTIVES, EMULATED, REHEARSAL, SINGLE, SUBSTITUTE, World
 from .emulation import FusedSumThenSlice, GatherRows, Identity, SlotSum, SumThenSlice
-from .layout import MAP, as_rows, own_shard, pieces
+from .layout import MAP, as_rows, flat_concat, own_shard, pieces, reshape_as
 from .quantize import QuantizedGather
 from .shard_gather import (GradientPort, UnitGather, gradient_attrs, make_shard_gather, reduce_scatter_bprop,
                            sum_then_slice_bprop, sum_then_slice_gather)
@@ -63,6 +66,9 @@ class Backend:
     * ``unit_gather(shards)``: one all-gather of several parameters' shards, concatenated, without a gradient
       (:class:`mindzero.comm.shard_gather.UnitGather`), or ``None`` where nothing is gathered; each member's
       gradient enters through its ``gradient_port(numel, padding, reduce_dtype)``, the exact gather's reduction;
+    * ``broadcast(root)``: ``(tensors, bucket) -> tensors``: op rank ``root``'s tensors (of this rank's op group)
+      on every rank of the group; the others' inputs give only shapes and dtypes (owner mode's write-back;
+      ``bucket``: :meth:`mindzero.comm.cells.Bucket.of` of the tensors, for the backends that concatenate them);
     * ``host_gather()``: ``(s,) tensor -> (op_size * s,) numpy array``, the op group's tensors concatenated in
       group order, called eagerly (host-side tools such as ``gather_full_state_dict``: no graph to compile per
       shape; measured on the test GPT at 2 ranks: 2.3 s of graph compiles -> milliseconds).
@@ -77,6 +83,15 @@ class Backend:
     def host_gather(self):
         op = self.gather("op")
         return lambda x: op(x).asnumpy()
+
+    def host_broadcast(self, root: int):
+        """``tensor -> numpy array``: op rank ``root``'s tensor on every rank of the op group, called eagerly (the
+        others pass a tensor of its shape and dtype)."""
+        cell = self.broadcast(root)
+        return lambda x: cell((x,), ((int(x.size),), (0,), (0,), (0,), (0,)))[0].asnumpy()
+
+    def _world_broadcast(self, root: int):
+        return WorldBroadcast(self.world.op_ranks[root], self.world.world_group)
 
     def _world_gather(self):
         return ops.AllGather(self.world.world_group)
@@ -137,6 +152,9 @@ class SingleRank(Backend):
     def host_gather(self):
         return lambda x: x.asnumpy()
 
+    def broadcast(self, root: int):
+        return IdentityTuple()
+
 
 class Emulated(Backend):
     """CPU: world collectives only. A reduce-scatter is an all-reduce of exactly the tensor plain data
@@ -157,6 +175,11 @@ class Emulated(Backend):
 
     def reduce_scatter(self):
         return SumThenSlice(self._world_sum(), self.world.op_rank, self.world.op_size)
+
+    def broadcast(self, root: int):
+        if self.world.hybrid:
+            return RowBroadcast(self._world_gather(), self.world.world_size, self.world.op_ranks[root])
+        return self._world_broadcast(root)
 
     def fused_reduce_scatter(self):
         return FusedSumThenSlice(self._world_sum(), self.world.op_rank, self.world.op_size)
@@ -209,6 +232,11 @@ class Collectives(Backend):
 
     def reduce_scatter(self):
         return PadThenReduceScatter(self._op("reduce_scatter"), self._dp_sum())
+
+    def broadcast(self, root: int):
+        if self.world.hybrid:  # the root's values, summed with the others' zeros over the op group
+            return ZeroSumBroadcast(self._op("all_reduce"), self.world.op_rank == root)
+        return self._world_broadcast(root)
 
     def fused_reduce_scatter(self):
         return FusedRowsReduceScatter(self._op("reduce_scatter"), self._dp_sum(), self.world.op_size,
@@ -275,6 +303,9 @@ class Rehearsal(Emulated):
     def host_gather(self):
         return lambda x: np.tile(x.asnumpy(), self.world.world_size)
 
+    def broadcast(self, root: int):
+        return CopyTuple()
+
     def shard_gather(self, numel, padding, reduce_dtype=None):
         shard = (numel + padding) // self.world.op_size
         return ops.Pad(((0, shard * (self.world.world_size - 1)),)), None
@@ -289,6 +320,59 @@ class LocalGather(nn.Cell):
 
     def construct(self, x):
         return self.tile(x, (self.rows,))
+
+
+class IdentityTuple(nn.Cell):
+    """A broadcast in a world of one rank: the tensors as they are."""
+
+    def construct(self, values, bucket):
+        return values
+
+
+class CopyTuple(nn.Cell):
+    """A broadcast among equal ranks (rehearsal): a fresh buffer of each tensor."""
+
+    def construct(self, values, bucket):
+        return MAP(ops.partial(ops.mul, 1), values)
+
+
+class WorldBroadcast(nn.Cell):
+    """MindSpore's ``Broadcast`` over the world from world rank ``root`` (every tensor in one call)."""
+
+    def __init__(self, root: int, group: str):
+        super().__init__(auto_prefix=False)
+        self.op = ops.Broadcast(root, group)
+
+    def construct(self, values, bucket):
+        return self.op(values)
+
+
+class RowBroadcast(nn.Cell):
+    """CPU, hybrid: a broadcast from world rank ``root`` as one world all-gather of the tensors concatenated,
+    keeping the root's row (``rows`` times the bytes of a broadcast)."""
+
+    def __init__(self, gather, rows: int, root: int):
+        super().__init__(auto_prefix=False)
+        self.gather, self.rows, self.root = gather, rows, root
+
+    def construct(self, values, bucket):
+        row = self.gather(flat_concat(values)).reshape((self.rows, -1))[self.root]
+        return MAP(reshape_as, pieces(row, 0, bucket[3], bucket[0]), values)
+
+
+class ZeroSumBroadcast(nn.Cell):
+    """GPU/Ascend, hybrid: a broadcast over the op group as one all-reduce of the tensors concatenated, to which the
+    root adds its values and every other rank zeros (exact: ``x + 0``; twice a broadcast's bytes)."""
+
+    def __init__(self, total, mine: bool):
+        super().__init__(auto_prefix=False)
+        self.total, self.mine = total, mine
+
+    def construct(self, values, bucket):
+        flat = flat_concat(values)
+        if not self.mine:
+            flat = ops.zeros_like(flat)
+        return MAP(reshape_as, pieces(self.total(flat), 0, bucket[3], bucket[0]), values)
 
 
 class LocalCopy(nn.Cell):

@@ -92,22 +92,3 @@ def flat_concat(tensors):
     if len(tensors) == 1:
         return tensors[0].reshape((-1,))
     return ops.concat(MAP(flatten, tensors))
-
-
-# --- stage 1 split parameters (own shard + the rest) -------------------------------------------------------
-def join_split(own, rest, order, numel: int):
-    """The flat full tensor (``numel`` elements, without padding) of a split parameter: ``own`` (this rank's
-    padded shard) and ``rest`` (the other op ranks' shards, in order) concatenated as rows of one shard, the rows
-    put in rank order by a gather with ``order`` (a constant: :func:`mindzero.core.plan.split_rows`). The same
-    graph on every rank, whatever its place: a join built of rank-dependent slices made the ranks' graphs
-    differ, their collectives ran in different orders and MindSpore 2.10's CPU all-reduce failed ("Memcpy
-    error", 4 ranks)."""
-    rows = ops.concat((own, rest)).reshape((order.shape[0], -1))
-    flat = ops.gather(rows, order, 0).reshape((-1,))
-    return flat[:numel] if flat.shape[0] != numel else flat
-
-
-def rest_of(flat, rows):
-    """The rest of a split parameter from the all-gathered padded flat tensor: its rows (one shard each) of the
-    op ranks ``rows`` (every one but this rank; :func:`mindzero.core.plan.split_rows`), flat."""
-    return ops.gather(flat.reshape((rows.shape[0] + 1, -1)), rows, 0).reshape((-1,))

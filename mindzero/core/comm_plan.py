@@ -8,8 +8,9 @@ collectives actually called (PyNative) and compares.
 
 Sizes: ``nbytes`` is the full tensor of the call (an all-reduce's or reduce-scatter's
 input, an all-gather's output). ``traffic`` is what a ring algorithm sends per rank:
-all-reduce ``2 (n-1)/n x nbytes``, reduce-scatter and all-gather ``(n-1)/n x nbytes``
-(the ZeRO paper's accounting: stage 0 moves 2Φ, stages 1-2 2Φ, stage 3 3Φ).
+all-reduce ``2 (n-1)/n x nbytes``, reduce-scatter, all-gather and broadcast ``(n-1)/n x nbytes``
+(the ZeRO paper's accounting: stage 0 moves 2Φ, stages 1-2 2Φ, stage 3 3Φ; an owner-mode parameter adds a
+broadcast of its value at stages 1-2, and the all-gather of its gradient and that broadcast at stage 3).
 
 On CPU (``emulated``) a reduce-scatter is an all-reduce over the world of the unpadded
 tensor (twice a real reduce-scatter's traffic), and a hybrid op-group all-gather is a
@@ -23,9 +24,10 @@ from .config import FusionConfig, StagePolicy
 from .plan import REASON_PERSISTENT
 from .quant import payload_bytes
 from .topology import COLLECTIVES, World
-from .state import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CommBucket, ParamState, ZeroState
+from .optim_plan import FLAT, OWNER
+from .state import ALL_GATHER, ALL_REDUCE, BROADCAST_FROM, REDUCE_SCATTER, CommBucket, ParamState, ZeroState
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 # stage 3's persistent parameters (below stage3_param_persistence_threshold) are all-reduced together in buckets of
 # this many bytes when comm_fusion sets no allreduce bucket: small tensors, one call where there were one each
 PERSISTENT_BUCKET_BYTES = 32 * 2 ** 20
@@ -98,6 +100,19 @@ def all_gather_calls(specs, world: World, phase: str, quant=None) -> list:
     return [Call("all_gather", phase, ranks, sum(gathered_bytes(s, quant) for s in specs) * ranks, len(specs))]
 
 
+def broadcast_calls(specs, world: World, phase: str) -> list:
+    """One broadcast of ``specs``' full tensors from their owner to its op group (hybrid: CPU all-gathers over the
+    world and keeps the owner's row; GPU/Ascend all-reduce the owner's values with the others' zeros)."""
+    if world.op_size == 1:
+        return []
+    nbytes = sum(s.numel * s.itemsize for s in specs)
+    if not world.hybrid:
+        return [Call("broadcast", phase, world.world_size, nbytes, len(specs))]
+    if world.emulated:
+        return [Call("all_gather", phase, world.world_size, nbytes * world.world_size, len(specs))]
+    return [Call("all_reduce", phase, world.op_size, nbytes, len(specs))]
+
+
 def all_reduce_calls(specs, world: World, phase: str) -> list:
     """One fused all-reduce (sum over the world) of ``specs``' full gradients."""
     if world.world_size == 1:
@@ -105,23 +120,25 @@ def all_reduce_calls(specs, world: World, phase: str) -> list:
     return [Call("all_reduce", phase, world.world_size, sum(s.numel * s.itemsize for s in specs), len(specs))]
 
 
-def step_buckets(params, policy: StagePolicy, fusion: FusionConfig) -> tuple:
-    """``(micro, boundary, gather)``: the :class:`~mindzero.core.state.CommBucket` tuples of one step, the one
-    statement of which collective moves which tensor at each stage (the train step builds its reductions
-    from them, :func:`step_calls` counts them).
+def step_buckets(params, policy: StagePolicy, fusion: FusionConfig, widens: bool = False) -> tuple:
+    """``(micro, boundary, gather, owner_grads, broadcasts)``: the :class:`~mindzero.core.state.CommBucket` tuples
+    of one step, the one statement of which collective moves which tensor at each stage (the train step builds its
+    reductions from them, :func:`step_calls` counts them).
 
-    ``params``: :class:`~mindzero.core.state.ParamState` per optimized parameter (optimizer order). Stage 2
-    reduce-scatters the sharded gradients every micro-step, stage 1 at the accumulation boundary; stage 3
-    reduce-scatters each where it is read (:class:`mindzero.engine.stage3.GatherFull`, no bucket); every stage
-    all-reduces the rest (stage 0: every gradient) at the boundary, stage 3's persistent parameters in fused
-    buckets whatever ``comm_fusion`` says (:data:`PERSISTENT_BUCKET_BYTES`); stages 1-2 all-gather the updated
-    shards, split or master (``gather`` positions index the sharded parameters, in order). Buckets follow
-    ``comm_fusion`` (one tensor each without it).
+    ``params``: :class:`~mindzero.core.state.ParamState` per optimized parameter (optimizer order), each with its
+    ``update`` (:mod:`mindzero.core.optim_plan`). Stage 2 reduce-scatters the sharded gradients every micro-step,
+    stage 1 at the accumulation boundary; stage 3 reduce-scatters each where it is read
+    (:class:`mindzero.engine.stage3.GatherFull`, no bucket); every stage all-reduces the rest (stage 0: every
+    gradient) at the boundary, stage 3's persistent parameters in fused buckets whatever ``comm_fusion`` says
+    (:data:`PERSISTENT_BUCKET_BYTES`). Then the update: stages 1-2 all-gather the updated flat master shards;
+    an owner-mode parameter's reduced gradient shard is all-gathered (its owner updates it whole: ``widens``, the
+    gradients are fp32 by then), and its updated value broadcast from its owner, one broadcast per owner and dtype
+    (at stage 3 every rank keeps its shard of it). Buckets follow ``comm_fusion`` (one tensor each without it).
     """
-    def units(positions, kind, fusion_kind, held=False, relative=False, bucket_bytes=None):
+    def units(positions, kind, fusion_kind, held=False, bucket_bytes=None):
         specs = [params[i].spec if held else params[i].reduce_spec for i in positions]
         size = fusion.bucket_bytes(fusion_kind) if bucket_bytes is None else bucket_bytes
-        return tuple(CommBucket(tuple(j if relative else positions[j] for j in b), kind, tuple(specs[j] for j in b))
+        return tuple(CommBucket(tuple(positions[j] for j in b), kind, tuple(specs[j] for j in b))
                      for b in spec_buckets(specs, size))
 
     sharded = [i for i, p in enumerate(params) if p.sharded]
@@ -137,8 +154,23 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig) -> tuple:
     boundary += units(persistent, ALL_REDUCE, "allreduce",
                       bucket_bytes=fusion.bucket_bytes("allreduce") or PERSISTENT_BUCKET_BYTES)
     if master_shards:
-        gather = units(sharded, ALL_GATHER, "allgather", held=True, relative=True)
-    return micro, boundary, gather
+        gather = units([i for i in sharded if _mode(params[i]) == FLAT], ALL_GATHER, "allgather", held=True)
+    owned = [i for i in sharded if _mode(params[i]) == OWNER]
+    owner_grads = tuple(CommBucket((i,), ALL_GATHER, (replace(params[i].reduce_spec, dtype="float32")
+                                                         if widens else params[i].reduce_spec,)) for i in owned)
+    broadcasts = []
+    for root in sorted({params[i].update.owner for i in owned}):
+        mine = [i for i in owned if params[i].update.owner == root]
+        for dtype in dict.fromkeys(params[i].spec.dtype for i in mine):
+            same = [i for i in mine if params[i].spec.dtype == dtype]
+            broadcasts.append(CommBucket(tuple(same), BROADCAST_FROM, tuple(params[i].spec for i in same), root))
+    return micro, boundary, gather, owner_grads, tuple(broadcasts)
+
+
+def _mode(param: ParamState) -> str:
+    """A parameter's update mode (flat where no update was decided: the plans of the unit tests and the benchmark's
+    plain-DP accounting)."""
+    return FLAT if param.update is None else param.update.mode
 
 
 def state_calls(state) -> tuple:
@@ -197,6 +229,10 @@ def step_calls(state, world: World) -> list:
                              4 * (world.dp_size if emulate else 1)))
     for b in state.gather:
         update += all_gather_calls(b.specs, world, "update")
+    for b in state.owner_grads:
+        update += all_gather_calls(b.specs, world, "update")
+    for b in state.broadcasts:
+        update += broadcast_calls(b.specs, world, "update")
     return micro * config.gradient_accumulation_steps + boundary + update
 
 
@@ -209,9 +245,10 @@ def plan_state(specs, config, fusion: FusionConfig = FusionConfig(), regather: b
     reduce_specs = specs if reduce_specs is None else reduce_specs
     params = tuple(ParamState(s.name, None, s, r, s.sharded and policy.shard_optimizer_states)
                    for s, r in zip(specs, reduce_specs))
-    micro, boundary, gather = step_buckets(params, policy, fusion)
+    micro, boundary, gather, owner_grads, broadcasts = step_buckets(params, policy, fusion)
     config = replace(config, fusion=fusion)
-    return ZeroState(config, None, None, params, micro, boundary, gather, regather=regather)
+    return ZeroState(config, None, None, params, micro, boundary, gather, regather=regather, owner_grads=owner_grads,
+                     broadcasts=broadcasts)
 
 
 def summarize(calls) -> dict:

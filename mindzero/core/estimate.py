@@ -10,8 +10,8 @@ stage  paper (fp16 + fp32     mindzero without ``param_dtype`` (parameters train
        master, Adam)          fp32, Adam, gradient accumulation buffers)
 =====  ====================  ======================================================
 0      2Φ + 2Φ + 12Φ = 16Φ    4Φ + 4Φ + 8Φ = 16Φ
-1      4Φ + 12Φ/N             8Φ + 8Φ/N   (no master: the parameter is its own, held once)
-2      2Φ + 14Φ/N             4Φ + 16Φ/N  (moments 8Φ/N + fp32 master shard 4Φ/N)
+1      4Φ + 12Φ/N             8Φ + 12Φ/N  (moments 8Φ/N + master shard 4Φ/N beside the user's parameter)
+2      2Φ + 14Φ/N             4Φ + 16Φ/N  (moments 8Φ/N + master shard 4Φ/N)
 3      16Φ/N                  16Φ/N
 =====  ====================  ======================================================
 
@@ -20,6 +20,10 @@ line) mindzero allocates the paper's column exactly (fp16 parameters and gradien
 masters and moments), plus padding.
 
 Without accumulation the gradients exist only inside the step (not counted as persistent).
+
+An optimizer that is not element-wise (``lamb``, ``adafactor``, ``came``, ``muon``'s matrices) keeps each
+sharded parameter's states whole on one owner rank (:mod:`mindzero.core.optim_plan`): the estimate is the most
+loaded rank's, and ``balance`` says how far it is from the total over the ranks.
 
 ``python -m mindzero.core.estimate --params 100M --op-sizes 2,4,8`` (console script ``mindzero-estimate``).
 """
@@ -30,23 +34,17 @@ import json
 import math
 import sys
 
-from .config import MixedPrecision, Stage3Policy, stage_policy
+from .config import MixedPrecision, ZeroConfig, stage_policy
 from .memory import KINDS, expected_bytes
-from .offload import DEFAULT_CHUNK_MB, OffloadPolicy
+from .offload import DEFAULT_CHUNK_MB
+from .optim_plan import OPTIMIZER_MODELS, OWNER, OptimizerModel, balance, every_rank_bytes, planned_updates
 from .checks import is_int, require_int
 from .introspect import param_infos
 from .options import ARGUMENT_DEFAULTS
 from .plan import ParamInfo, PartitionPlan
-from .quant import GatherQuantization
 
-# per-parameter state tensors of each optimizer (as mindzero's memory report counts them)
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lamb": 2, "sgd": 2, "momentum": 1,
-                    # mindspore.mint.optim: exp_avg and exp_avg_sq (AMSGrad: 3); SGD's momentum_buf
-                    "mint.adam": 2, "mint.adamw": 2, "mint.adam_amsgrad": 3, "mint.sgd": 1}
-
-
-#: the optimizers (of OPTIMIZER_STATES) whose parameters disk offload cuts into pieces
-#: (mindzero.engine.optim.SPLITTABLE_OPTIMIZERS)
+#: the optimizers (of OPTIMIZER_MODELS) whose parameters disk offload cuts into pieces
+#: (mindzero.engine.offload.SPLITTABLE_OPTIMIZERS, by class: tests/unit/test_estimate.py ties the two)
 SPLITTABLE = ("adamw", "sgd", "momentum", "mint.adam", "mint.adam_amsgrad", "mint.sgd")
 
 
@@ -61,9 +59,8 @@ def paper_formula(phi: int, stage: int, op_size: int, mixed_precision: bool = Tr
         return {"parameters": part(2 * phi, policy.shard_parameters),
                 "gradients": part(2 * phi, policy.shard_gradients),
                 "optimizer_states": part(k * phi, policy.shard_optimizer_states)}
-    # fp32: the parameters are their own masters (stage 1 splits each into this rank's shard and the rest);
-    # stage 2 keeps a master shard (mindzero.engine.split.split_layout says why)
-    master = 4 * phi if policy.shard_gradients and not policy.shard_parameters else 0
+    # fp32: stages 1-2 keep a master shard beside the user's full parameter
+    master = 4 * phi if policy.shard_optimizer_states and not policy.shard_parameters else 0
     return {"parameters": part(4 * phi, policy.shard_parameters),
             "gradients": part(4 * phi, policy.shard_gradients),
             "optimizer_states": part(4 * n_states * phi + master, policy.shard_optimizer_states)}
@@ -97,8 +94,9 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
         network_or_param_shapes: a Cell (its parameters, dtypes and opt-outs), a ``{name: shape}``
             dict or a list of shapes (dtype float32).
         zero_stage: 0-3. op_size: ranks the state is sharded over (the op group).
-        optimizer: ``adamw``, ``adam``, ``sgd``, ``momentum``, ``lamb``, or mint.optim's ``mint.adam``,
-            ``mint.adamw``, ``mint.adam_amsgrad``, ``mint.sgd`` (sets the state tensors per parameter).
+        optimizer: a name of :data:`mindzero.core.optim_plan.OPTIMIZER_MODELS` (what it keeps per parameter,
+            and whether it is element-wise: ``adamw``, ``sgd`` (MindSpore's keeps two states), ``came``,
+            ``adafactor``, ``muon``, ``mint.adam``, ...).
         gradient_accumulation: count the persistent gradient buffers (``gradient_accumulation_steps > 1``).
         param_dtype, reduce_dtype: the mixed-precision policy of ``prepare_train_network`` (fp32 masters and
             moments).
@@ -108,7 +106,7 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
             ``prepare_train_network``: parameters of fewer elements (up to the cap in all) are counted whole
             (parameter, gradient, optimizer states) on every rank.
         n_states: the optimizer's state tensors per parameter, when known from the optimizer itself (overrides
-            ``optimizer``'s count).
+            ``optimizer``: that many element states, element-wise).
         optimizer_offload, offload_chunk_mb: ``prepare_train_network``'s options; with ``"disk"`` the moments are
             counted on disk (``optimizer_disk``, ``disk_io_per_step`` = read + written per update) and the stream's
             resident ``offload_buffers`` (in ``total``) and gradient buffers (in ``gradients``) are added.
@@ -116,32 +114,43 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
     Returns:
         ``{"parameters", "gradients", "optimizer_states", "total": int, "phi": int,
         "formula": {kind: float, "total": float}, "formulas": {"fp32": {...}, "mixed_precision": {...}}, ...}``
-        (also ``optimizer_moments``, ``master_shards``): ``formula`` is the one of this precision, ``formulas``
-        both side by side.
+        (also ``optimizer_moments``, ``master_shards``) of the most loaded rank (``per_rank``: every op rank's
+        total; ``balance``: the most loaded rank's optimizer states over the total over the ranks, 1.0 when even;
+        ``owner_mode``: parameters updated whole on an owner rank): ``formula`` is the one of this precision,
+        ``formulas`` both side by side.
 
     Raises:
         ValueError: a bad stage, group size, optimizer or shape (the message names it).
     """
-    policy = stage_policy(zero_stage)
     require_int("op_size (ranks the state is sharded over)", op_size, 1)
     key = str(optimizer).lower()
-    if key not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZER_STATES)}")
-    states = OPTIMIZER_STATES[key] if n_states is None else require_int("n_states", n_states, 0)
-    precision = MixedPrecision.parse(param_dtype, reduce_dtype)
+    if key not in OPTIMIZER_MODELS:
+        raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZER_MODELS)}")
+    model = OPTIMIZER_MODELS[key] if n_states is None else OptimizerModel(require_int("n_states", n_states, 0))
+    disk = optimizer_offload == "disk"
+    config = ZeroConfig.from_arguments(dict(
+        zero_stage=zero_stage, gradient_accumulation_steps=2 if gradient_accumulation else 1, param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype, gather_quantization=gather_quantization, scale_sense=2.0,
+        stage3_param_persistence_threshold=stage3_param_persistence_threshold,
+        stage3_model_persistence_threshold=stage3_model_persistence_threshold, optimizer_offload=optimizer_offload,
+        offload_dir="." if disk else None, offload_chunk_mb=offload_chunk_mb))
+    policy, precision = config.policy, config.precision
     infos = _param_infos(network_or_param_shapes, precision)
-    quant = GatherQuantization.parse(gather_quantization)
-    stage3 = Stage3Policy(quantization=quant, persistence_threshold=stage3_param_persistence_threshold,
-                          model_persistence_threshold=stage3_model_persistence_threshold)
-    stage3.check_stage(zero_stage)
-    plan = PartitionPlan.build(infos, op_size, 0, **stage3.persistence(zero_stage))
-    offload = OffloadPolicy.parse(optimizer_offload, "." if optimizer_offload == "disk" else None, offload_chunk_mb)
-    offload.check_stage(zero_stage)
-    out = expected_bytes(plan, policy, states, gradient_accumulation, precision=precision, quant=quant,
-                         offload=offload if offload.disk else None, split_pieces=key in SPLITTABLE)
-    out["total"] = sum(out[k] for k in KINDS) + out.get("offload_buffers", 0)
+    plan = PartitionPlan.build(infos, op_size, 0, **config.persistence)
+    optimized = [s for s in plan if s.optimized]
+    keeps_master = precision.enabled or policy.shard_parameters
+    updates = planned_updates(optimized, model, policy.shard_optimizer_states, op_size,
+                              lambda s: s.numel * (4 if precision.enabled else s.itemsize) if keeps_master else 0)
+    by_name = {s.name: u for s, u in zip(optimized, updates)}
+    ranks = [expected_bytes(plan, config, by_name, r, split_pieces=key in SPLITTABLE) for r in range(op_size)]
+    for r in ranks:
+        r["total"] = sum(r[k] for k in KINDS) + r.get("offload_buffers", 0)
+    out = max(ranks, key=lambda r: r["total"])  # the most loaded rank (owner mode: ranks differ)
+    out["per_rank"] = [r["total"] for r in ranks]
+    out["balance"] = balance(updates, [every_rank_bytes(s, u) for s, u in zip(optimized, updates)], op_size).ratio
+    out["owner_mode"] = sum(u.mode == OWNER for u in updates)
     phi = sum(math.prod(i.shape) for i in infos if i.optimized)
-    formulas = both_formulas(phi, zero_stage, op_size, states)
+    formulas = both_formulas(phi, zero_stage, op_size, model.element)
     formula = formulas["mixed_precision" if precision.enabled else "fp32"]
     out.update(phi=phi, formula=formula, formulas=formulas, stage=zero_stage, op_size=op_size)
     return out
@@ -174,7 +183,7 @@ def main(argv=None) -> int:
     src.add_argument("--shapes", help="JSON file {name: shape} of the model's parameters")
     ap.add_argument("--op-sizes", default="2,4,8", help="comma-separated op group sizes")
     ap.add_argument("--stages", default="0,1,2,3")
-    ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
+    ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_MODELS))
     ap.add_argument("--mixed-precision", action="store_true", help="param_dtype=float16: fp16 parameters and gradients, fp32 masters "
                     "and moments (the paper's mixed-precision setting)")
     ap.add_argument("--no-accumulation", action="store_true", help="no persistent gradient buffers")

@@ -95,26 +95,6 @@ def shard_array(full, spec: "ShardSpec"):
     return shard_of_flat(flat, spec)
 
 
-def splits_evenly(spec) -> bool:
-    """Whether every op rank's shard of ``spec`` holds at least one element (the padding, at the tail, is shorter
-    than one shard): what stages 1-2 need to hold a parameter split (:mod:`mindzero.engine.split`)."""
-    return spec.sharded and spec.padding < spec.shard_size
-
-
-def split_rows(spec) -> tuple:
-    """``(order, rest)`` row indices (int32) of a split parameter on ``spec``'s rank, the padded flat parameter seen
-    as ``op_size`` rows of one shard each. ``concat(own, rest)`` holds this rank's row first, then the other
-    op ranks' in order: ``order[r]`` is where op rank ``r``'s row sits there; ``rest`` the op ranks whose rows
-    the rest holds. ``op_size`` and ``op_size - 1`` entries: a constant of a few bytes in every rank's graph, of
-    the same shape on every rank (an index per element, the first version, cost 1.5x the parameters' bytes at
-    2 ranks: docs/stages.md)."""
-    import numpy as np
-
-    r, n = spec.op_rank, spec.op_size
-    order = [0 if k == r else (k + 1 if k < r else k) for k in range(n)]
-    return np.array(order, np.int32), np.array([k for k in range(n) if k != r], np.int32)
-
-
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of ``dtype`` (a name such as ``"float32"``)."""
     key = str(dtype).lower().replace("mindspore.", "")

@@ -6,15 +6,16 @@
   keep it whole on every rank; at stage 3 the network holds a shard under the same name, the state drops
   the full one, and the full value exists only while a Cell reads it (:mod:`mindzero.engine.stage3`).
 * **weight** (``ParamState.weight``): what gradients are taken with respect to: the full parameter
-  (stages 0-2; a split parameter's own shard, and its rest beside it) or its stage-3 shard.
-* **target** (``ParamState.target``): what the optimizer updates: the weight, a stage 1-2 *master
-  shard* (with ``param_dtype``: ``zero_master.<name>``, this rank's fp32 slice of the parameter, written
-  back by an all-gather after each update), or, with ``param_dtype``, an fp32 *master* of a weight held in
-  fp16/bf16. Stage 1 without ``param_dtype`` *splits* each sharded parameter (:mod:`mindzero.engine.split`):
-  the network holds this rank's shard (the weight and target, under the parameter's name) and the rest
-  (``zero_rest.<name>``, written by the all-gather), so no element is held twice.
-* **sharded** (``ParamState.sharded``): the stage shards this parameter's optimizer state (stage >= 1
-  and the plan shards the parameter); from stage 2 its gradient, at stage 3 its value. A parameter the
+  (stages 0-2: the user's own Parameter, untouched) or its stage-3 shard.
+* **target** (``ParamState.target``): what the optimizer updates (:mod:`mindzero.core.optim_plan` says how
+  the update is shared out): the weight; a stage 1-2 flat parameter's *master shard* (``zero_master.<name>``,
+  this rank's slice of the parameter, in fp32 with ``param_dtype``, all-gathered back into the full parameter
+  after each update); with ``param_dtype`` an fp32 *master* of a weight held in fp16/bf16; for an owner-mode
+  parameter on its owner the parameter itself (stages 1-2 without ``param_dtype``) or its full master, and on
+  every other rank a stand-in of a few elements.
+* **sharded** (``ParamState.sharded``): the stage shares this parameter's optimizer state out (stage >= 1 and
+  the plan shards the parameter: flat shards or an owner, ``ParamState.update``); its gradient is
+  reduce-scattered (from stage 2 where backward produces it), at stage 3 its value is sharded. A parameter the
   plan replicates (``ShardSpec.reason``) is never sharded.
 * **op group** / **world** (:class:`mindzero.core.topology.World`): the ranks a tensor is sharded over (``G``),
   and all ranks (``N``); reductions sum over the world.
@@ -31,23 +32,35 @@ from typing import Optional
 
 # what a gradient is at clip time, for the global norm (the kernel mindzero.engine.kernels.norm_sq)
 REPLICATED, SHARD, OWN_SLICE = 0, 1, 2
-# how a bucket is reduced
-ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = 1, 2, 3
+# how a bucket travels
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST_FROM = 1, 2, 3, 4
+
+
+# how a master is written back into the tensor the network holds after each update
+GATHER, CAST, BROADCAST = "gather", "cast", "broadcast"
 
 
 @dataclass(eq=False)
 class MasterPair:
-    """A master the optimizer updates and the network tensor it is written back into after each update:
-    ``shard_of_full``: the master is a stage 1-2 shard of the full ``held`` (all-gathered back), else it has
-    ``held``'s shape (stage 0 and replicated parameters, stage-3 shards: cast and assigned locally).
-    ``split`` (stage 1 without ``param_dtype``, :mod:`mindzero.engine.split`): the master is the network's
-    own shard of the parameter and ``held`` the rest (the other op ranks' shards): the all-gather writes the
-    rest, and no element is held twice."""
+    """A master the optimizer updates and the network tensor (``held``) it is written back into after each update,
+    by ``kind``: :data:`GATHER` (a stage 1-2 flat master shard, all-gathered into the full ``held``), :data:`CAST`
+    (the same shape as ``held``: cast and assigned locally; ``param_dtype``), :data:`BROADCAST` (an owner-mode
+    parameter's full master on its owner, broadcast to every rank; ``master`` is ``None`` on the other ranks).
+
+    Before each update the master takes up a value written into ``held`` since the last one (``refresh``: a user's
+    ``mindspore.load_checkpoint`` into the network at stages 0-2 reaches the optimizer): a flat master shard is
+    this rank's slice of ``held``; a ``param_dtype`` master keeps its fp32 value wherever ``held`` still equals it
+    cast, and takes ``held``'s value elsewhere."""
 
     master: object
     held: object
-    shard_of_full: bool
-    split: bool = False
+    kind: str
+
+    @property
+    def refresh(self) -> bool:
+        """Whether the master is refreshed from ``held`` before each update (every kind but a stage-3 owner's, whose
+        ``held`` is a shard: ``mindzero.load_checkpoint`` / ``load_pretrained`` write that master)."""
+        return self.master is not None and (self.kind != BROADCAST or tuple(self.master.shape) == tuple(self.held.shape))
 
 
 @dataclass(eq=False)
@@ -64,6 +77,7 @@ class ParamState:
     target: object = None  # what the optimizer updates
     master: Optional[MasterPair] = None  # how the target is written back into the weight, if it is not it
     accum: object = None  # the gradient accumulation buffer (K > 1): full, or a shard from stage 2
+    update: object = None  # its mindzero.core.optim_plan.Update: flat, owner (and which op rank) or whole
 
     @property
     def norm_kind(self) -> int:
@@ -74,13 +88,16 @@ class ParamState:
 
 @dataclass(eq=False)
 class CommBucket:
-    """Gradients (or master shards) that travel in one collective: their positions in optimizer order, the
+    """Gradients (or updated values) that travel in one collective: their positions in optimizer order, the
     collective's kind (:data:`ALL_REDUCE` / :data:`REDUCE_SCATTER`; :data:`ALL_GATHER` for the stage 1-2
-    write-back), and their specs (as reduced, or as held for the write-back)."""
+    write-back of flat master shards and for the gradients an owner gathers; :data:`BROADCAST_FROM` for the
+    write-back of owner-mode parameters from their owner, op rank ``root``), and their specs (as reduced, or as
+    held for a write-back)."""
 
     positions: tuple
     kind: int
     specs: tuple
+    root: Optional[int] = None
 
 
 @dataclass(eq=False)
@@ -94,8 +111,10 @@ class ZeroState:
     params: tuple = ()  # ParamState per optimized parameter, optimizer order
     micro: tuple = ()  # CommBucket: reductions of every micro-step (stage 2)
     boundary: tuple = ()  # CommBucket: reductions at the accumulation boundary
-    gather: tuple = ()  # CommBucket: stage 1-2 all-gathers of the updated master shards (positions into
-    #                     the shard-of-full master pairs, see master_pairs)
+    gather: tuple = ()  # CommBucket: stage 1-2 all-gathers of the updated flat master shards (positions in
+    #                     optimizer order)
+    owner_grads: tuple = ()  # CommBucket: the all-gathers of owner-mode gradients before the update (one each)
+    broadcasts: tuple = ()  # CommBucket: the write-back of owner-mode parameters, one per owner and dtype
     state_attrs: tuple = ()  # the optimizer's per-parameter state tuples (attribute names)
     scale_sense: object = None  # the loss-scale Parameter
     loss_scale_manager: object = None  # nn.DynamicLossScaleUpdateCell or None
@@ -106,6 +125,7 @@ class ZeroState:
     calls: tuple = ()  # as this world runs them
     real_calls: tuple = ()  # with real reduce-scatter and sub-group collectives (what GPU/Ascend run)
     offload: object = None  # optimizer_offload="disk": mindzero.engine.offload.DiskOffload (the states' file)
+    layout: object = None  # mindzero.engine.optim.OptimizerLayout: the optimizer's roles, as re-pointed
 
     @property
     def fusion(self):
@@ -129,18 +149,20 @@ class ZeroState:
         return tuple(p.accum for p in self.params if p.accum is not None)
 
     @property
+    def updates(self) -> tuple:
+        """The :class:`~mindzero.core.optim_plan.Update` of each optimized parameter, optimizer order."""
+        return tuple(p.update for p in self.params)
+
+    @property
     def master_pairs(self) -> tuple:
-        """:class:`MasterPair` per master the optimizer updates: the stage 1-2 shards (all-gathered back)
-        first, then the masters cast back locally (``param_dtype``), each in optimizer order."""
-        pairs = [p.master for p in self.params if p.master is not None]
-        return tuple([m for m in pairs if m.shard_of_full] + [m for m in pairs if not m.shard_of_full])
+        """:class:`MasterPair` per master the optimizer updates, optimizer order."""
+        return tuple(p.master for p in self.params if p.master is not None)
+
+    def masters_of(self, kind: str) -> tuple:
+        """The :class:`MasterPair` of ``kind``, optimizer order."""
+        return tuple(m for m in self.master_pairs if m.kind == kind)
 
     @property
     def master_shards(self) -> tuple:
-        """The masters held beside the network's parameters (a split pair's own shard is the parameter)."""
-        return tuple(pair.master for pair in self.master_pairs if not pair.split)
-
-    @property
-    def split_pairs(self) -> tuple:
-        """The split pairs (:class:`MasterPair` with ``split``), optimizer order."""
-        return tuple(pair for pair in self.master_pairs if pair.split)
+        """The masters this rank holds beside the network's parameters."""
+        return tuple(pair.master for pair in self.master_pairs if pair.master is not None)

@@ -12,48 +12,55 @@ from mindspore import Parameter, Tensor, nn, ops
 from ..core.comm_plan import state_calls, step_buckets
 from ..core.config import LossScale, ZeroConfig
 from ..core.introspect import param_infos
+from ..core.optim_plan import FLAT, OWNER, assign_owners, owner_cost, placeholder_shape
 from ..core.plan import PartitionPlan
-from ..core.state import MasterPair, ParamState, ZeroState
+from ..core.state import BROADCAST, CAST, GATHER, MasterPair, ParamState, ZeroState
 from ..core.topology import World
-from .consistency import check_same_plan, check_same_values
-from .materialize import make_shard, materialize
-from .offload import DiskOffload
-from .optim import check_optimizer, offload_update, optimizer_states, repoint_optimizer, shard_optimizer
-from .split import FullView, split_layout, split_network_parameters, splittable
+from .consistency import check_same_optimizer, check_same_plan, check_same_values
+from .materialize import full_array, make_shard, materialize
+from .offload import DiskOffload, check_offloadable
+from .optim import OptimizerLayout, check_optimizer, offload_update
+from .probe import decide_modes, with_owners
+from .repoint import PLACEHOLDER_PREFIX, new_states, repoint_optimizer, stand_in
 from .stage3 import check_pynative_recompute, shard_network_parameters
 from .train_step import ZeroEMA
 
 
 def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
     """The :class:`ZeroState` of ``network`` and ``optimizer`` under ``config`` on this rank of ``world``:
-    checks the optimizer and the precision policy, plans, checks the plan across ranks, shards (network
-    parameters at stage 3, master shards at stages 1-2, the optimizer's states from stage 1; lazily built
-    Parameters are materialised one tensor at a time), checks the initial values across ranks, and makes
-    the accumulation buffers, the buckets, the loss scale and the EMA.
+    checks the optimizer and the precision policy, plans, checks the plan across ranks, decides how each
+    parameter's update is shared out (flat shards or an owner rank: :mod:`mindzero.core.optim_plan`) and checks
+    the optimizer across ranks, shards (network parameters at stage 3, master shards at stages 1-2, the
+    optimizer's states from stage 1; lazily built Parameters are materialised one tensor at a time), checks the
+    initial values across ranks, and makes the accumulation buffers, the buckets, the loss scale and the EMA.
 
-    Communication: the plan and value checks (two small all-gathers).
+    Communication: the plan, optimizer and value checks (three small all-gathers).
     """
     policy, precision = config.policy, config.precision
     check_optimizer(optimizer, {p.name: p for p in network.get_parameters()}, policy.shard_optimizer_states,
                     world.device)
+    layout = OptimizerLayout.read(optimizer)
     if config.offload.host:
         offload_update(optimizer)
     plan = build_plan(network, optimizer, world, config)
     check_same_plan(plan, world, config.zero_stage)
-    params = _param_states(optimizer, plan, config)
-    sharded = _shard_state(network, optimizer, config, world, plan, params)
+    params = _param_states(layout, plan, config)
+    _decide_updates(layout, params, config, world)
+    check_same_optimizer(layout, params, world)
+    sharded = _shard_state(network, layout, config, world, plan, params)
     check_same_values(plan, sharded.digests, world)
     _accumulation_buffers(config, params)
-    micro, boundary, gather = step_buckets(params, policy, config.fusion)
+    micro, boundary, gather, owner_grads, broadcasts = step_buckets(params, policy, config.fusion, precision.widens)
     scale_sense, manager = _loss_scale(config.loss_scale)
     ema = None
     if config.ema is not None:
-        ema = ZeroEMA([FullView(ps.master.master, ps.master.held, ps.spec) if ps.master is not None and ps.master.split
-                       else ps.weight for ps in params], config.ema.decay, config.ema.updates,
+        ema = ZeroEMA([ps.weight for ps in params], config.ema.decay, config.ema.updates,
                       ms.float32 if precision.enabled else None)
     regather = config.stage3.for_mode(ms.get_context("mode") == ms.GRAPH_MODE).regather
-    state = ZeroState(config, world, plan, params, micro, boundary, gather, sharded.state_attrs, scale_sense, manager,
-                      ema, regather, tuple(sharded.units), offload=sharded.offload)
+    state = ZeroState(config, world, plan, params, micro=micro, boundary=boundary, gather=gather,
+                      owner_grads=owner_grads, broadcasts=broadcasts, state_attrs=layout.state_attrs,
+                      scale_sense=scale_sense, loss_scale_manager=manager, ema=ema, regather=regather,
+                      units=tuple(sharded.units), offload=sharded.offload, layout=layout)
     state.calls, state.real_calls = state_calls(state)
     return state
 
@@ -73,17 +80,30 @@ def build_plan(network, optimizer, world: World, config: ZeroConfig) -> Partitio
                                shard_frozen=config.stage3.shard_frozen, **config.persistence)
 
 
-def _param_states(optimizer, plan: PartitionPlan, config: ZeroConfig) -> tuple:
+def _param_states(layout: OptimizerLayout, plan: PartitionPlan, config: ZeroConfig) -> tuple:
     """A :class:`ParamState` per optimizer parameter (optimizer order): its plan entry, the entry as its
-    gradient is reduced (``reduce_dtype`` with mixed precision) and whether the stage shards it."""
+    gradient is reduced (``reduce_dtype`` with mixed precision) and whether the stage shares it out."""
     precision, out = config.precision, []
-    for p in optimizer.parameters:
+    for p in layout.params:
         spec = plan[p.name]
         reduce_in = precision.reduce_in if spec.dtype == "float32" or precision.enabled else None
         reduce_spec = dataclasses.replace(spec, dtype=reduce_in) if reduce_in else spec
         out.append(ParamState(p.name, p, spec, reduce_spec, spec.sharded and config.policy.shard_optimizer_states,
                               weight=p, target=p))
     return tuple(out)
+
+
+def _decide_updates(layout: OptimizerLayout, params: tuple, config: ZeroConfig, world: World) -> None:
+    """Each :class:`ParamState`'s ``update``: flat, owner or whole (:func:`mindzero.engine.probe.decide_modes`),
+    owners balanced by the bytes each one holds (:func:`mindzero.core.optim_plan.assign_owners`: states, and the
+    full master an owner keeps with ``param_dtype`` or at stage 3)."""
+    decided = decide_modes(layout, [ps.spec for ps in params], config.policy.shard_optimizer_states)
+    keeps_master = config.precision.enabled or config.policy.shard_parameters
+    costs = [owner_cost(states, ps.spec.numel * (4 if config.precision.enabled else ps.spec.itemsize)
+                        if keeps_master else 0)
+             for ps, (mode, _, states) in zip(params, decided) if mode == OWNER]
+    for ps, update in zip(params, with_owners(decided, assign_owners(costs, world.op_size))):
+        ps.update = update
 
 
 @dataclasses.dataclass
@@ -97,73 +117,83 @@ class _Sharded:
     offload: object = None
 
 
-def _shard_state(network, optimizer, config: ZeroConfig, world: World, plan: PartitionPlan, params: tuple) -> _Sharded:
-    """Fill each :class:`ParamState`'s weight, target and master: stage 3: network parameters become shards;
-    stages 1-2: without ``param_dtype`` each sharded parameter split into this rank's shard (which the optimizer
-    updates) and the rest (:mod:`mindzero.engine.split`), with it fp32 master shards, each all-gathered back after
-    the update; stages 1-3: the optimizer is re-pointed at
-    shards; mixed precision: every optimized parameter gets an fp32 master (its stage 1-2 master shard, else a
-    copy of what the network holds), which the optimizer updates, and the network's copy is cast to
-    ``param_dtype``. Lazily built Parameters (:func:`mindzero.lazy_init`) are materialised one tensor at a
-    time: shards where the stage shards, full values where it keeps them.
+def _shard_state(network, layout: OptimizerLayout, config: ZeroConfig, world: World, plan: PartitionPlan,
+                 params: tuple) -> _Sharded:
+    """Fill each :class:`ParamState`'s weight, target and master, then re-point the optimizer
+    (:mod:`mindzero.engine.repoint`):
+
+    * flat: stage 3's shard (the network holds it); stages 1-2 a master shard of the user's parameter, which the
+      network keeps as it is;
+    * owner, on the owner: the user's parameter (stages 1-2 without ``param_dtype``) or a full master; elsewhere a
+      stand-in;
+    * mixed precision: every other optimized parameter held in ``param_dtype`` gets an fp32 master (cast back
+      locally), and the network's copy is cast to ``param_dtype``.
+
+    Lazily built Parameters (:func:`mindzero.lazy_init`) are materialised one tensor at a time: shards where the
+    stage shards, full values where it keeps them.
     """
     policy, precision = config.policy, config.precision
     specs = {s.name: s for s in plan}
     digests, units = {}, []
+    wide = ms.float32 if precision.enabled else None
+    op_rank = world.op_rank
     if policy.shard_parameters:
         check_pynative_recompute(network, specs)
+        for ps in params:  # an owner's full master, from the full value, before the network holds only shards
+            if ps.update.owned_by(op_rank):
+                ps.target = Parameter(Tensor(full_array(ps.param), wide or ps.param.dtype), name="zero_master." + ps.name)
         done = shard_network_parameters(network, specs, world, config)
         digests, units = done.digests, done.units
         for ps in params:
             if ps.sharded:  # the network holds the shard now; keep no reference to the full Parameter
-                ps.weight = ps.target = done.shards[ps.name]
+                ps.weight = done.shards[ps.name]
+                if ps.update.mode == FLAT:
+                    ps.target = ps.weight
                 ps.param = None
     elif policy.shard_optimizer_states:
-        pairs = {}
-        if split_layout(config, world):  # fp32: the parameter is its own master, held once (own shard + rest)
-            pairs = split_network_parameters(network, specs, [ps.name for ps in params if splittable(ps)], digests)
         for ps in params:
-            if ps.sharded and ps.name in pairs:
-                own, rest = pairs[ps.name]
-                ps.weight = ps.target = own
-                ps.master = MasterPair(own, rest, True, split=True)
-                ps.param = None
-            elif ps.sharded:
-                ps.target = make_shard(materialize(ps.param), ps.spec, "zero_master." + ps.name, digests=digests)
-                ps.master = MasterPair(ps.target, ps.param, True)
+            if ps.sharded and ps.update.mode == FLAT:
+                ps.target = make_shard(materialize(ps.param, digests), ps.spec, "zero_master." + ps.name,
+                                       digests=digests)
+                ps.master = MasterPair(ps.target, ps.param, GATHER)
+            elif ps.update.owned_by(op_rank) and wide is not None:
+                ps.target = Parameter(Tensor(full_array(materialize(ps.param, digests)), wide),
+                                      name="zero_master." + ps.name)
+    for ps in params:
+        if ps.update.mode != OWNER:
+            continue
+        if ps.update.owned_by(op_rank):
+            if ps.target is not ps.weight:
+                ps.master = MasterPair(ps.target, ps.weight, BROADCAST)
+        else:
+            ps.target = stand_in(PLACEHOLDER_PREFIX + ps.name, placeholder_shape(ps.spec.shape, ps.spec.shape),
+                                 wide or ps.weight.dtype)
     if precision.enabled:  # the rest held in param_dtype get an fp32 copy, written back locally
         for ps in params:
             if ps.target is ps.weight and ps.spec.dtype == precision.param_dtype:
                 materialize(ps.weight, digests if ps.weight is ps.param else None)
                 ps.target = Parameter(Tensor(ps.weight.asnumpy(), ms.float32), name="zero_master." + ps.name)
-                ps.master = MasterPair(ps.target, ps.weight, False)
-    targets = [ps.target for ps in params]
+                ps.master = MasterPair(ps.target, ps.weight, CAST)
     offload = None
+    updates = [ps.update for ps in params]
     if config.offload.disk:  # the file first (directory and space checked), then each state written as it is made
-        if world.device != "CPU":
-            raise ValueError(f"optimizer_offload='disk' runs on CPU only (device {world.device!r}): the streamed "
-                             "update shares the parameters' memory with its buffers, which a device's memory is not; "
-                             "on GPU/Ascend use optimizer_offload='host' (docs/stages.md)")
-        offload = DiskOffload(optimizer, optimizer_states(optimizer),
-                              [ps.spec.shard_size if ps.sharded else ps.spec.numel for ps in params], config.offload,
-                              world.world_rank)
-    if policy.shard_optimizer_states:
-        state_attrs = shard_optimizer(optimizer, [ps.spec for ps in params], targets,
-                                      keep=offload.keep if offload else None)
-    else:
-        state_attrs = repoint_optimizer(optimizer, targets) if precision.enabled else optimizer_states(optimizer)
+        check_offloadable(layout, updates, world.device)
+        offload = DiskOffload(layout, [ps.spec.shard_size if ps.sharded else ps.spec.numel for ps in params],
+                              config.offload, world.world_rank)
+    states = new_states(layout, updates, [ps.spec for ps in params], op_rank, keep=offload.keep if offload else None)
+    repoint_optimizer(layout, [ps.target for ps in params], states)
     # what stays full (stage 0, replicated parameters, buffers, step counters)
     for p in network.get_parameters():
         materialize(p, digests if p.name in specs else None)
-    for p in optimizer.get_parameters():
+    for p in layout.optimizer.get_parameters():
         materialize(p)
     if precision.enabled:
         for ps in params:
             if ps.spec.dtype == precision.param_dtype:
                 ps.weight.set_dtype(getattr(ms, ps.spec.dtype))
     if offload is not None:
-        offload.finish(optimizer, config.gradient_accumulation_steps > 1)
-    return _Sharded(tuple(state_attrs), digests, units, offload)
+        offload.finish(layout, config.gradient_accumulation_steps > 1)
+    return _Sharded(layout.state_attrs, digests, units, offload)
 
 
 def _accumulation_buffers(config: ZeroConfig, params: tuple) -> None:

@@ -1,4 +1,5 @@
-"""Cross-rank checks before training: every rank built the same plan and the same initial values.
+"""Cross-rank checks before training: every rank built the same plan, the same optimizer and the same initial
+values.
 
 Ranks that disagree would deadlock in mismatched collectives or train different replicas; each check here
 costs one small all-gather and fails on every rank with the same message.
@@ -11,6 +12,7 @@ import numpy as np
 from mindspore import Tensor
 
 from ..comm.cells import AllGather, shared_cell
+from ..core.checksum import crc32_array
 from ..core.plan import PartitionPlan
 from ..core.topology import World
 
@@ -81,3 +83,83 @@ def check_same_values(plan: PartitionPlan, digests: dict, world: World) -> None:
         raise ValueError(f"rank {world.world_rank}: the initial values of parameter {plan.specs[index].name!r} differ "
                          f"between rank 0 and rank {bad[0]}; every rank must build the same network with the same "
                          "seed (call mindspore.set_seed(...) with one value on every rank before building it)")
+
+
+def describe_optimizer(layout, params) -> list:
+    """``[(what, text)]``: everything every rank's optimizer must agree on, each as deterministic text: its class,
+    each hyper-parameter attribute (numbers and flags as written, tensors and shared scalars by dtype, shape and
+    CRC-32 of their values, per-parameter entries entry by entry, a torch-style optimizer's parameter groups without
+    their parameters), each parameter's states (shapes, dtypes) and how its update is shared out (mode, owner)."""
+    from mindspore import Parameter, Tensor, nn
+
+    opt = layout.optimizer
+    skip = set(layout.aliases) | set(layout.states) | set(vars(nn.Cell(auto_prefix=False)))
+    names = {id(p): p.name for p in layout.params}
+
+    def text(value, depth=3):
+        if isinstance(value, (bool, int, float, str, type(None))):
+            return repr(value)
+        if id(value) in names:
+            return f"<parameter {names[id(value)]}>"
+        if isinstance(value, (Tensor, Parameter)):
+            array = value.asnumpy()
+            return f"<{array.dtype}{tuple(array.shape)} crc {crc32_array(array)}>"
+        if depth == 0:
+            return f"<{type(value).__name__}>"
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k!r}: {text(v, depth - 1)}" for k, v in value.items() if k not in layout.states) \
+                + "}"
+        if isinstance(value, (list, tuple)):
+            return "[" + ", ".join(text(v, depth - 1) for v in value) + "]"
+        if isinstance(value, nn.Cell):
+            return f"<{type(value).__name__} {text([p for p in value.get_parameters()], depth - 1)}>"
+        if hasattr(value, "attrs") and hasattr(value, "name"):  # a primitive: its name and attributes
+            return f"<{value.name} {sorted((k, repr(v)) for k, v in value.attrs.items())}>"
+        return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+    out = [("class", f"{type(opt).__module__}.{type(opt).__qualname__}")]
+    out += [(f"attribute {key!r}", text(value)) for key, value in sorted(vars(opt).items())
+            if key not in skip and not key.startswith("__")]
+    for ps in params:
+        u = ps.update
+        out.append((f"parameter {ps.name!r}", f"{u.mode} owner {u.owner} states "
+                                              f"{[(s.attr, s.shape, s.dtype) for s in u.states]}"))
+    return out
+
+
+TEXT_CHARS = 60  # characters of a differing value each rank shares to name it
+
+
+def check_same_optimizer(layout, params, world: World) -> None:
+    """Fail on every rank unless every rank's optimizer is the same: class, hyper-parameters, parameter groups,
+    states and how each parameter's update is shared out (:func:`describe_optimizer`).
+
+    Communication: one all-gather of 4 numbers per rank; on a mismatch, one of one number per item to locate it
+    and one of its text to name both values.
+
+    Raises:
+        ValueError: naming the differing item, this rank's value and the first differing rank's.
+    """
+    if world.world_size == 1:
+        return
+    items = describe_optimizer(layout, params)
+    whole = hashlib.sha256(repr(items).encode()).hexdigest()
+    rows = _rows_of_all_ranks(world, [float(len(items))] + _digits(whole, 3))
+    bad = [r for r in range(world.world_size) if not np.array_equal(rows[r], rows[0])]
+    if not bad:
+        return
+    other = bad[0]
+    width = int(rows[:, 0].max())
+    per = [_digits(hashlib.sha256(repr(item).encode()).hexdigest(), 1)[0] for item in items]
+    table = _rows_of_all_ranks(world, per + [-1.0] * (width - len(per)))
+    index = int(np.argmax(table[other] != table[0]))
+    what, mine = items[min(index, len(items) - 1)]
+    codes = [float(ord(c) % 65536) for c in mine[:TEXT_CHARS]]
+    texts = _rows_of_all_ranks(world, codes + [0.0] * (TEXT_CHARS - len(codes)))
+
+    def decoded(r):
+        return "".join(chr(int(c)) for c in texts[r] if c) + ("..." if len(mine) > TEXT_CHARS else "")
+
+    raise ValueError(f"rank {world.world_rank}: the optimizers differ across ranks: {what} is {decoded(0)} on rank 0 "
+                     f"and {decoded(other)} on rank {other}; every rank must build the same optimizer (class, "
+                     "hyper-parameters and parameter groups)")

@@ -258,7 +258,7 @@ class Network:
     the full network has; ``None`` without one) and that list's attribute name."""
 
     def __init__(self, ref: str, kwargs: dict = None):
-        from .optim import optimizer_states
+        from .optim import OptimizerLayout
 
         net, opt, lists = build(ref, kwargs=kwargs)
         self.cut = self.depth = self.list_name = None
@@ -269,7 +269,7 @@ class Network:
             self.block_numel = best["block_numel"]
             self.block_bytes = sum(int(np.prod(p.shape)) * dtype_bytes(p.dtype)
                                    for p in best["cells"][0].get_parameters())
-        self.n_states = len(optimizer_states(opt))
+        self.n_states = len(OptimizerLayout.read(opt).states)
         self.numel = sum(int(np.prod(p.shape)) for p in net.get_parameters())
         self.net = net
         self.optimizer = opt

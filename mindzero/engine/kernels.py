@@ -15,7 +15,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import ops
 
-from ..comm.layout import MAP, join_split, own_shard, pick, rest_of
+from ..comm.layout import MAP, own_shard, pick
 from ..core.state import OWN_SLICE, REPLICATED
 
 # --- the train step ----------------------------------------------------------------------------------------
@@ -32,7 +32,10 @@ depend_on = ops.MultitypeFuncGraph("mindzero_depend_on")
 gather_unit = ops.MultitypeFuncGraph("mindzero_gather_unit")
 gather_write = ops.MultitypeFuncGraph("mindzero_gather_write")
 write_gathered = ops.MultitypeFuncGraph("mindzero_write_gathered")
-join_at = ops.MultitypeFuncGraph("mindzero_join_at")
+refresh = ops.MultitypeFuncGraph("mindzero_refresh")
+owner_grad = ops.MultitypeFuncGraph("mindzero_owner_grad")
+broadcast_input = ops.MultitypeFuncGraph("mindzero_broadcast_input")
+broadcast_write = ops.MultitypeFuncGraph("mindzero_broadcast_write")
 ema_update = ops.MultitypeFuncGraph("mindzero_ema_update")
 cast_to = ops.MultitypeFuncGraph("mindzero_cast_to")
 write_cast = ops.MultitypeFuncGraph("mindzero_write_cast")
@@ -129,47 +132,78 @@ def _depend_on(after, x):
     return ops.depend(x, after)
 
 
-@gather_unit.register("Tensor", "Tuple", "Tuple", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
-def _gather_unit(after, fulls, shards, splits, indices, gather, positions, bucket):
-    """After ``after``: one bucket's all-gather of updated master shards into their full parameters, or into
-    the rests of split ones (in the parameters' dtype: a bucket has one)."""
+@gather_unit.register("Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
+def _gather_unit(after, fulls, shards, gather, positions, bucket):
+    """After ``after``: one bucket's all-gather of updated master shards into their full parameters (in the
+    parameters' dtype: a bucket has one)."""
     held = pick(fulls, positions)
     shards = MAP(ops.partial(depend_on, after), pick(shards, positions))
     values = gather(MAP(ops.partial(cast_to, held[0].dtype), shards), bucket)
-    return MAP(write_gathered, held, values, pick(splits, positions), pick(indices, positions))
+    return MAP(write_gathered, held, values)
 
 
-@gather_write.register("Tensor", "Function", "Tensor", "Tensor", "Bool", "Tensor")
-def _gather_write(after, gather, full, shard, split, index):
-    """After ``after``: one all-gather of an updated master shard into its full parameter (mixed precision:
-    in param_dtype, half the bytes of fp32), or into the rest of a split one."""
-    return _write_gathered(full, gather(_cast_to(full.dtype, ops.depend(shard, after))), split, index)
+@gather_write.register("Tensor", "Function", "Tensor", "Tensor")
+def _gather_write(after, gather, full, shard):
+    """After ``after``: one all-gather of an updated master shard into its full parameter (mixed precision: in
+    param_dtype, half the bytes of fp32)."""
+    return _write_gathered(full, gather(_cast_to(full.dtype, ops.depend(shard, after))))
 
 
-@write_gathered.register("Tensor", "Tensor", "Bool", "Tensor")
-def _write_gathered(held, value, split, rows):
-    """``held := value`` (the gathered padded flat tensor) without its padding, in ``held``'s shape; for a
-    split parameter ``held`` is the rest: ``value``'s ``rows`` (every op rank's shard but this rank's)."""
-    if split:
-        return ops.assign(held, rest_of(value, rows))
-    return _write_full(held, value)
+@write_gathered.register("Tensor", "Tensor")
+def _write_gathered(held, value):
+    """``held := value`` (the gathered padded flat tensor) without its padding, in ``held``'s shape."""
+    if value.shape[0] != held.size:
+        value = value[:held.size]
+    return ops.assign(held, value.reshape(held.shape))
 
 
-def _write_full(full, value):
-    """``full := value`` without its padding, in ``full``'s shape."""
-    if value.shape[0] != full.size:
-        value = value[:full.size]
-    return ops.assign(full, value.reshape(full.shape))
+@refresh.register("Tensor", "Number", "Number", "Tensor", "Tensor", "Bool", "Number")
+def _refresh(after, op_rank, op_size, master, held, sliced, padding):
+    """After ``after``: ``master`` takes up ``held`` (``sliced``: this rank's padded slice of it): in ``held``'s
+    dtype, where ``held`` differs from ``master`` cast (a value written into the network since the last update);
+    in the same dtype, a copy (equal to ``master`` unless such a write happened)."""
+    value = ops.depend(held, after)
+    if sliced:
+        value = own_shard(value.reshape((-1,)), padding, op_rank, op_size)
+    value = value.reshape(master.shape)
+    if value.dtype == master.dtype:
+        return ops.assign(master, value)
+    kept = ops.equal(ops.cast(master, value.dtype), value)
+    return ops.assign(master, ops.select(kept, master, ops.cast(value, master.dtype)))
 
 
-@join_at.register("Tuple", "Number", "Number", "Tensor", "Number", "Tuple")
-def _join_at(values, i, j, order, numel, shape):
-    """``values[i]``, or for a split parameter (``j >= 0``) the full tensor joined from its own shard
-    ``values[i]`` and its rest ``values[j]`` (a gradient pair, or the pair itself) by the row ``order``, in
-    ``shape`` (``numel`` elements)."""
-    if j < 0:
-        return values[i]
-    return join_split(values[i], values[j], order, numel).reshape(shape)
+@owner_grad.register("Function", "Tensor", "Number", "Number", "Tuple", "Tuple")
+def _owner_grad(gather, g, kind, numel, shape, stand_in):
+    """Owner mode: ``g`` (kind 0, not owner-mode), or the all-gathered full gradient (kind 1: its owner), or zeros
+    of the stand-in's shape made after the gather (kind 2: every other rank)."""
+    if kind == 0:
+        return g
+    full = gather(g)
+    if kind == 1:
+        if full.shape[0] != numel:
+            full = full[:numel]
+        return full.reshape(shape)
+    return ops.depend(ops.zeros(stand_in, g.dtype), full)
+
+
+@broadcast_input.register("Tensor", "Bool", "Bool", "Tuple", "Tensor", "Tensor")
+def _broadcast_input(after, sharded, mine, shape, source, held):
+    """After ``after``: what this rank puts into an owner's broadcast for one parameter: its updated value (the
+    owner: ``source`` in ``held``'s dtype), else a buffer of the full shape (``held`` itself at stages 1-2, zeros at
+    stage 3, where ``held`` is a shard)."""
+    if mine:
+        return ops.cast(ops.depend(source, after), held.dtype).reshape(shape)
+    if sharded:
+        return ops.depend(ops.zeros(shape, held.dtype), after)
+    return ops.depend(held, after)
+
+
+@broadcast_write.register("Number", "Number", "Bool", "Number", "Tensor", "Tensor")
+def _broadcast_write(op_rank, op_size, sharded, padding, held, value):
+    """``held := value`` (an owner's broadcast), or at stage 3 this rank's padded shard of it."""
+    if sharded:
+        return ops.assign(held, own_shard(value.reshape((-1,)), padding, op_rank, op_size))
+    return ops.assign(held, value)
 
 
 @ema_update.register("Tensor", "Tensor", "Tensor")

@@ -2,7 +2,7 @@
 time (the layout, the file and its page-cache handling: :mod:`mindzero.core.offload`).
 
 How the update stays the optimizer's own: for each piece the optimizer is applied through a *view*
-(:func:`mindzero.engine.optim.optimizer_view`): the same class and hyper-parameters over Parameters standing for
+(:func:`mindzero.engine.probe.optimizer_view`): the same class and hyper-parameters over Parameters standing for
 the piece. Those Parameters share memory with what they stand for (on CPU a Parameter's ``asnumpy()`` is its
 memory, and ``set_data(Tensor.from_numpy(a))`` makes ``a`` its memory): the parameter's slice, the gradient's
 slice, and the piece's states in a slot buffer that the file was read into. So the update writes the parameter
@@ -35,7 +35,53 @@ from mindspore import Parameter, Tensor
 from ..core.plan import dtype_bytes
 from ..core.offload import ALIGN_BYTES, SLOTS, OffloadError, OffloadPolicy, StateFile, StateLayout, check_directory, states_at
 from .materialize import np_dtype
-from .optim import optimizer_view, param_tuple, shared_scalars, splits_parameters, view_signature
+from ..core.optim_plan import ELEMENT, FLAT, WHOLE
+from .optim import qualified_name
+from .probe import optimizer_view, signature
+
+#: optimizers whose update gives each element the same bits whatever piece of the parameter it is computed in, so
+#: disk offload may cut their parameters into pieces (at multiples of 4096 elements, memory 64-byte aligned).
+#: Measured on CPU (tests/single/test_offload.py, 4096-element pieces of 13000- and 26000-element shards):
+#: bit-identical. Not nn.Adam: its fused ApplyAdam kernel splits a tensor between threads and computes each
+#: thread's last elements with scalar code, the rest 8 lanes at a time with FMA, so an element at a thread boundary
+#: of the whole tensor gets another last bit in a piece (measured: element 2184 of a 4369-element parameter; 68 of
+#: 26000). Every other optimizer is streamed a whole parameter at a time.
+SPLITTABLE_OPTIMIZERS = ("mindspore.nn.optim.adam.AdamWeightDecay", "mindspore.nn.optim.sgd.SGD",
+                         "mindspore.nn.optim.momentum.Momentum", "mindspore.mint.optim.adam.Adam",
+                         "mindspore.mint.optim.sgd.SGD")
+
+
+def splits_parameters(optimizer) -> bool:
+    """Whether disk offload may cut ``optimizer``'s parameters into pieces (:data:`SPLITTABLE_OPTIMIZERS`)."""
+    return qualified_name(type(optimizer)) in SPLITTABLE_OPTIMIZERS
+
+
+def check_offloadable(layout, updates, device: str) -> None:
+    """Disk offload streams the states of flat parameters through views of the optimizer.
+
+    Raises:
+        ValueError: another device than CPU, an owner-mode parameter, a state not shaped as its parameter, or a
+            per-parameter attribute of the optimizer that mindzero does not know (a view cuts it), naming it.
+    """
+    if device != "CPU":
+        raise ValueError(f"optimizer_offload='disk' runs on CPU only (device {device!r}): the streamed update shares "
+                         "the parameters' memory with its buffers, which a device's memory is not; on GPU/Ascend use "
+                         "optimizer_offload='host' (docs/stages.md)")
+    name = type(layout.optimizer).__name__
+    for i, update in enumerate(updates):
+        if update.mode not in (FLAT, WHOLE):
+            raise ValueError(f"optimizer_offload='disk' streams optimizers that update each element from that element "
+                             f"alone; {name} updates parameter {layout.params[i].name!r} whole on an owner rank "
+                             f"({update.why}): keep its states in memory (optimizer_offload=False)")
+        other = [s for s in update.states if s.layout != ELEMENT]
+        if other:
+            raise ValueError(f"optimizer_offload='disk' streams states shaped as their parameters; {name} keeps "
+                             f"{other[0].attr!r} of shape {other[0].shape} for parameter {layout.params[i].name!r}: "
+                             "keep its states in memory (optimizer_offload=False)")
+    if layout.unknown:
+        raise ValueError(f"optimizer_offload='disk' updates each piece through a view of the optimizer, cut to that "
+                         f"piece's parameter; {name} keeps per-parameter attributes mindzero does not know "
+                         f"({', '.join(layout.unknown)}): keep its states in memory (optimizer_offload=False)")
 
 _SERIAL = itertools.count()  # one file per train step of this process
 
@@ -60,19 +106,19 @@ class DiskOffload:
     """One train step's optimizer states on disk and the streamed update (module docstring).
 
     Built in two parts: the constructor makes the file (space checked and reserved, before any state exists);
-    :meth:`keep` is handed to :func:`mindzero.engine.optim.shard_optimizer` and writes each state as it is made,
+    :meth:`keep` is handed to :func:`mindzero.engine.repoint.new_states` and writes each state as it is made,
     leaving a one-element stand-in in the optimizer; :meth:`finish` then builds the gradient buffers and views.
     """
 
-    def __init__(self, optimizer, state_attrs, numels, policy: OffloadPolicy, world_rank: int):
+    def __init__(self, optim_layout, numels, policy: OffloadPolicy, world_rank: int):
         self.policy = policy
-        self.state_attrs = tuple(state_attrs)
-        params = param_tuple(optimizer)
-        self.dtypes = {attr: [s.dtype for s in getattr(optimizer, attr)] for attr in self.state_attrs}
+        self.state_attrs = optim_layout.state_attrs
+        params = optim_layout.params
+        self.dtypes = {attr: [s.dtype for s in optim_layout.states[attr]] for attr in self.state_attrs}
         itemsizes = [max((dtype_bytes(d) for d in self.dtypes[attr]), default=4) for attr in self.state_attrs]
-        self.layout = StateLayout.build(numels, itemsizes, policy.chunk_bytes, splits_parameters(optimizer))
+        self.layout = StateLayout.build(numels, itemsizes, policy.chunk_bytes, splits_parameters(optim_layout.optimizer))
         self.numels = tuple(int(n) for n in numels)
-        self.names = {attr: [s.name for s in getattr(optimizer, attr)] for attr in self.state_attrs}
+        self.names = {attr: [s.name for s in optim_layout.states[attr]] for attr in self.state_attrs}
         self.shapes = [None] * len(params)
         root = check_directory(policy.dir, self.layout.nbytes)
         _remove_stale(root)
@@ -85,7 +131,7 @@ class DiskOffload:
         self._finalizer = weakref.finalize(self, _release, self.file, (self.reader, self.writer), self.rank_dir,
                                            policy.keep)
         self.placeholders = []
-        self.optimizer = None
+        self.optim_layout = None
         self.update_seconds = []  # wall time of each streamed update
         self.update_io = (0, 0)  # bytes read and written by the last one
 
@@ -100,15 +146,15 @@ class DiskOffload:
         self.placeholders.append(stand_in)
         return stand_in
 
-    def finish(self, optimizer, accumulate: bool) -> None:
+    def finish(self, optim_layout, accumulate: bool) -> None:
         """After the optimizer was re-pointed: the gradient buffers (with accumulation: the step's gradients wait
         there; without, they are the step graph's output), the shared scalars, the slots and the views."""
         self.file.flush()  # the states written by keep()
-        self.optimizer = optimizer
-        params = list(param_tuple(optimizer))
+        self.optim_layout = optim_layout
+        params = list(optim_layout.params)
         self.grads = [Parameter(Tensor(np.zeros(p.shape, np_dtype(p.dtype))), name="zero_offload_grad." + p.name,
                                 requires_grad=False) for p in params] if accumulate else []
-        self.scalars = list(shared_scalars(optimizer, self.state_attrs).values())
+        self.scalars = list(optim_layout.scalars.values())
         # a slot: [the piece's parameter values][its states, as in the file]
         self.param_dtypes = [np.dtype(np_dtype(p.dtype)) for p in params]
         self.states_at = states_at(self.layout, [d.itemsize for d in self.param_dtypes])
@@ -119,13 +165,13 @@ class DiskOffload:
         for k, (piece, shape) in enumerate(zip(self.layout.pieces, self.window_shapes)):
             key = (k % SLOTS, shape, str(params[piece.index].dtype),
                    tuple(str(self.dtypes[a][piece.index]) for a in self.state_attrs),
-                   view_signature(optimizer, piece.index, self.state_attrs))
+                   signature(optim_layout, piece.index, [tuple(p.shape) for p in params]))
             if key not in views:
-                views[key] = self._view(optimizer, len(views), piece, shape, self.slots[k % SLOTS])
+                views[key] = self._view(optim_layout, len(views), piece, shape, self.slots[k % SLOTS])
             self.view_of.append(views[key])
         self.n_views = len(views)
 
-    def _view(self, optimizer, n, piece, shape, slot):
+    def _view(self, optim_layout, n, piece, shape, slot):
         """The view of ``optimizer`` for pieces like ``piece`` held in ``slot``: its Parameters' memory is the slot's
         (bound once, never rebound: MindSpore's in-place kernels keep the memory they first ran on)."""
         def bound(array, name):
@@ -139,7 +185,8 @@ class DiskOffload:
         param = bound(self._param_array(slot, piece), f"zero_offload.{n}.param")
         states = {a: bound(self._state_array(slot[self.states_at:], piece, a), f"zero_offload.{n}.{a}")
                   for a in self.state_attrs}
-        return optimizer_view(optimizer, piece.index, param, states)
+        return optimizer_view(optim_layout, [piece.index], [param], {a: [s] for a, s in states.items()},
+                              share_scalars=True)
 
     def _param_array(self, slot, piece):
         dtype = self.param_dtypes[piece.index]
@@ -187,7 +234,7 @@ class DiskOffload:
         if not pieces:
             return
         started, io_before = time.perf_counter(), (self.file.read_bytes, self.file.written_bytes)
-        params = [p.asnumpy().reshape(-1) for p in param_tuple(self.optimizer)]
+        params = [p.asnumpy().reshape(-1) for p in self.optim_layout.params]
         grads = [g.asnumpy().reshape(-1) for g in (self.grads if grads is None else grads)]
         scalars = [(p.asnumpy(), p.asnumpy().copy()) for p in self.scalars]
         def states_of(k):

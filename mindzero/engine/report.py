@@ -2,10 +2,12 @@
 holds, next to the plan's) and :func:`plan_text` (the verbose log of ``prepare_train_network``)."""
 from __future__ import annotations
 
-from ..core.comm_plan import format_comm
+from ..core.comm_plan import all_gather_calls, broadcast_calls, format_comm, summarize
 from ..core.estimate import both_formulas
 from ..core.memory import expected_bytes
-from .optim import optimizer_state_params, splits_parameters
+from ..core.optim_plan import OWNER, balance, every_rank_bytes
+from .offload import splits_parameters
+from .repoint import optimizer_state_params
 
 
 def memory_report(train_net) -> dict:
@@ -13,18 +15,23 @@ def memory_report(train_net) -> dict:
 
     Returns:
         ``{"parameters", "gradients", "optimizer_states", "optimizer_moments", "master_shards", "ema": int,
-        "expected": {same keys}, "stage": int, "op_size": int, "dp_size": int}``; ``optimizer_states`` is
-        ``optimizer_moments + master_shards``.
+        "expected": {same keys}, "stage": int, "op_size": int, "dp_size": int, "updates": {"flat", "owner",
+        "whole": parameter counts}, "owned": int, "balance": {"per_rank": [bytes], "ideal": float, "ratio":
+        float}}``; ``optimizer_states`` is ``optimizer_moments + master_shards``. ``owned``: the owner-mode
+        parameters this rank updates; ``balance``: the optimizer-state bytes (states only) of every op rank from
+        the plan, and the largest over their mean.
     """
     info = train_net.zero_info
     disk = info.offload
     # with disk offload the optimizer holds one-element stand-ins: the states are in the file (optimizer_disk)
-    moments = 0 if disk else sum(_nbytes(p) for p in optimizer_state_params(train_net.optimizer, info.state_attrs))
+    moments = 0 if disk else sum(_nbytes(p) for p in optimizer_state_params(info.layout))
     masters = sum(_nbytes(p) for p in info.master_shards)
     extra = {}
     if disk is not None:
         extra = {"optimizer_disk": disk.disk_bytes, "disk_io_per_step": 2 * disk.disk_bytes,
                  "offload_buffers": disk.buffer_bytes}
+    updates = info.updates
+    spread = balance(updates, [every_rank_bytes(ps.spec, ps.update) for ps in info.params], info.world.op_size)
     return {
         **extra,
         "parameters": sum(_nbytes(p) for p in train_net.network.get_parameters()),
@@ -33,13 +40,14 @@ def memory_report(train_net) -> dict:
         "master_shards": masters,
         "optimizer_states": moments + masters,
         "ema": sum(_nbytes(p) for p in train_net.ema.ema_weights) if train_net.has_ema else 0,
-        "expected": expected_bytes(info.plan, info.config.policy, len(info.state_attrs),
-                                   info.config.gradient_accumulation_steps > 1, train_net.has_ema, info.precision,
-                                   info.config.stage3.quantization, info.config.offload if disk else None,
-                                   splits_parameters(train_net.optimizer)),
+        "expected": expected_bytes(info.plan, info.config, {ps.name: ps.update for ps in info.params},
+                                   info.world.op_rank, train_net.has_ema, splits_parameters(info.layout.optimizer)),
         "stage": info.config.zero_stage,
         "op_size": info.world.op_size,  # the op group: what the shards divide by
         "dp_size": info.world.dp_size,
+        "updates": {mode: sum(u.mode == mode for u in updates) for mode in ("flat", "owner", "whole")},
+        "owned": sum(u.owned_by(info.world.op_rank) for u in updates),
+        "balance": {"per_rank": list(spread.loads), "ideal": spread.ideal, "ratio": spread.ratio},
     }
 
 
@@ -94,16 +102,14 @@ def plan_text(train_net) -> str:
                      f"({config.stage3.units.as_setting()!r}), one all-gather each; the largest unit "
                      f"{max(full) / mib:.3f} MiB gathered at once (transient; the largest parameter: "
                      f"{largest / mib:.3f} MiB)")
-    if info.split_pairs:
-        lines.append(f"parameters held once: {len(info.split_pairs)} split into this rank's shard (what the optimizer "
-                     "updates) and the rest (written by the all-gather); no fp32 master copy")
+    lines += updates_lines(info, report)
     for kind in ("parameters", "gradients", "optimizer_states"):
         lines.append(f"  {kind:<17} {report[kind] / mib:10.3f} MiB (plan {report['expected'][kind] / mib:.3f} MiB)")
     disk = info.offload
     if disk is not None:
         lines.append(f"  {'on disk':<17} {report['optimizer_disk'] / mib:10.3f} MiB of optimizer states in "
                      f"{disk.file.path} ({len(disk.layout.pieces)} pieces of at most "
-                     f"{disk.layout.piece_bytes / mib:.3f} MiB, {'cut inside parameters' if splits_parameters(train_net.optimizer) else 'whole parameters: this optimizer is not cut'}); "
+                     f"{disk.layout.piece_bytes / mib:.3f} MiB, {'cut inside parameters' if splits_parameters(info.layout.optimizer) else 'whole parameters: this optimizer is not cut'}); "
                      f"per update {report['optimizer_disk'] / mib:.3f} MiB read + "
                      f"{report['optimizer_disk'] / mib:.3f} MiB written; resident for the stream: "
                      f"{report['offload_buffers'] / mib:.3f} MiB of slots and the gradient buffers (in gradients)")
@@ -111,3 +117,30 @@ def plan_text(train_net) -> str:
     lines.append(info.plan.summary())
     lines.append(format_comm(info.calls, info.real_calls if world.emulated else None))
     return "\n".join(lines)
+
+
+def updates_lines(info, report) -> list:
+    """How the optimizer's update is shared out: per mode the parameters, each owner-mode one with its owner and
+    why, the optimizer-state bytes per op rank against the even share, and what owner mode communicates."""
+    mib = 2 ** 20
+    counts = report["updates"]
+    name = type(info.layout.optimizer).__name__
+    lines = [f"optimizer {name}: {counts['flat']} parameters sharded flat (element-wise), {counts['owner']} updated "
+             f"whole on an owner rank, {counts['whole']} whole on every rank"]
+    owned = [ps for ps in info.params if ps.update.mode == OWNER]
+    for ps in owned[:8]:
+        lines.append(f"  owner {ps.update.owner}: {ps.name} {tuple(ps.spec.shape)}, states "
+                     f"{ps.update.state_bytes / mib:.3f} MiB ({ps.update.why})")
+    if len(owned) > 8:
+        lines.append(f"  ... and {len(owned) - 8} more owner-mode parameters")
+    if counts["owner"]:
+        spread = report["balance"]
+        per_rank = ", ".join(f"{b / mib:.3f}" for b in spread["per_rank"])
+        lines.append(f"  optimizer states per op rank: {per_rank} MiB; the most loaded {spread['ratio']:.3f}x the "
+                     "even share")
+        added = summarize([c for b in info.owner_grads for c in all_gather_calls(b.specs, info.world, "update")]
+                          + [c for b in info.broadcasts for c in broadcast_calls(b.specs, info.world, "update")])
+        lines.append(f"  owner mode adds per step: {len(info.owner_grads)} all-gathers of gradients and "
+                     f"{len(info.broadcasts)} broadcasts of updated parameters, "
+                     f"{added['total']['traffic'] / mib:.3f} MiB of traffic per rank")
+    return lines

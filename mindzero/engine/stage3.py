@@ -183,7 +183,7 @@ _SUBCLASSES = {}  # (class, attribute names, mode, property maker) -> subclass w
 
 def reading_subclass(cls: type, attrs, make_property, marker: str) -> type:
     """The subclass of ``cls`` whose instances read ``attrs`` through ``make_property(attr, graph_mode)`` (stage 3's
-    :func:`_full_property`; stages 1-2's split read, :mod:`mindzero.engine.split`), with ``marker`` set to the
+    :func:`_full_property`), with ``marker`` set to the
     attribute names on the class.
 
     Shared by every instance of ``cls`` with exactly these attributes replaced (one class, not one per

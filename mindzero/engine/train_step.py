@@ -20,19 +20,25 @@ Per step (``gradient_accumulation_steps = K``; ``N`` ranks in the op group):
    ``DynamicLossScaleUpdateCell`` updates the loss scale from it;
 6. ``clip_grad``: the global norm is the square root of one all-reduce of the
    shards' sums of squares plus the replicated gradients' (counted once);
-7. unless the step overflowed (and ``drop_overflow_update``), the optimizer
-   updates its parameters (shards from stage 1 on); stages 1-2 then
-   all-gather every updated shard into the rest of its split parameter
-   (with ``param_dtype``: every master shard into the full parameter).
+7. unless the step overflowed (and ``drop_overflow_update``), every master
+   first takes up a value written into the network's tensor since the last
+   update (a user's ``mindspore.load_checkpoint`` into the network); owner-mode
+   parameters' reduced gradient shards are all-gathered (the owner updates them
+   whole, :mod:`mindzero.core.optim_plan`); the optimizer updates what this rank
+   holds (flat shards from stage 1 on, the owned parameters whole); stages 1-2
+   all-gather every updated flat master shard into the full parameter, and each
+   owner broadcasts its updated parameters (stage 3: every rank keeps its shard
+   of them); ``param_dtype`` masters are cast back.
 
 With ``optimizer_offload="disk"`` step 7 leaves the graph: the step returns the reduced gradients (with
 accumulation: stores them in buffers); the update then streams the states from disk piece by piece (:mod:`mindzero.engine.offload`), and a
 second small graph (:class:`AfterUpdate`) does the write-back and the EMA. Which steps update, and which skip for
 overflow, is decided as in the graph.
 
-Split parameters (stage 1 without ``param_dtype``, :mod:`mindzero.engine.split`): step 1 takes the
-gradients w.r.t. each one's shard and rest and joins them into the full gradient, so steps 2-6 are the
-same at every layout.
+In graph mode every rank compiles its own graph: owner mode makes the optimizer's work differ between ranks (one
+updates a parameter whole, the others a stand-in of a few elements), never the collectives: every rank issues the
+same collectives, in the same order and of the same shapes (the all-gathers of owner-mode gradients, then one
+broadcast per owner, chained), from the same buckets (:func:`mindzero.core.comm_plan.step_buckets`).
 
 Returns ``(loss, overflow, loss_scale)`` like ``nn.TrainOneStepWithLossScaleCell``;
 ``loss`` is this rank's local loss of the micro-batch.
@@ -44,18 +50,17 @@ import contextlib
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
+from ..comm.backends import backend_of
 from ..comm.cells import (AllGather, AllReduceSum, AnyRank, Bucket, FusedAllGather, FusedAllReduceSum,
                           FusedReduceScatterSum, ReduceScatterSum)
-from ..core.plan import split_rows
-from ..core.state import REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
+from ..core.optim_plan import OWNER, placeholder_shape
+from ..core.state import CAST, GATHER, REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
 from ..core.topology import World
 from ..core.host import release_host_memory
-from .kernels import (MAP, accumulate, cast_to, depend_on, ema_update, finite, gather_unit, gather_write, join_at,
-                      norm_sq, reduce_grad, reduce_unit, route, scale_by, store, write_cast, zero_after)
+from .kernels import (MAP, accumulate, broadcast_input, broadcast_write, cast_to, depend_on, ema_update, finite,
+                      gather_unit, gather_write, norm_sq, owner_grad, reduce_grad, reduce_unit, refresh, route,
+                      scale_by, store, write_cast, zero_after)
 from .precision import explain_dtype_errors
-
-
-NO_INDEX = Tensor([0], ms.int32)  # the index mapped beside a parameter that is not split (never read)
 
 
 class _Keep(nn.Cell):
@@ -128,51 +133,78 @@ class Reduction(nn.Cell):
 
 
 class GatherInto(nn.Cell):
-    """Stages 1-2: all-gather updated shards and write each into its split parameter's rest, or (master
-    shards) into its full network parameter (one all-gather per ``comm_fusion`` bucket; per tensor without
-    fusion). ``pairs``: the :class:`~mindzero.core.state.MasterPair` of each, in ``fulls`` / ``shards`` order.
+    """Stages 1-2: all-gather updated flat master shards, each written into its full network parameter (one
+    all-gather per ``comm_fusion`` bucket; per tensor without fusion). ``units``: the ``gather``
+    :class:`~mindzero.core.state.CommBucket` (positions in optimizer order); ``fulls`` / ``shards``: the
+    parameters and their master shards, one per optimizer position (``None`` where none is gathered)."""
 
-    ``units``: :class:`~mindzero.core.state.CommBucket` whose positions index the ``fulls`` / ``shards`` tuples.
-    """
-
-    def __init__(self, units, world: World, pairs, specs):
+    def __init__(self, units, world: World, fulls, shards):
         super().__init__(auto_prefix=False)
-        self.positions = tuple(tuple(u.positions) for u in units)
+        order = [i for u in units for i in u.positions]
+        at = {i: k for k, i in enumerate(order)}
+        self.fulls = ParameterTuple([fulls[i] for i in order])
+        self.shards = ParameterTuple([shards[i] for i in order])
+        self.positions = tuple(tuple(at[i] for i in u.positions) for u in units)
         self.buckets = tuple(Bucket.of(u.specs) for u in units)
         self.per_tensor = all(len(pos) == 1 for pos in self.positions)
         self.gather = AllGather(world) if self.per_tensor else FusedAllGather(world)
-        self.gathers = (self.gather,) * len(units)  # mapped with the units (see mindzero.engine.kernels)
-        # per pair: split (its rest takes every gathered position but this rank's shard), or full
-        self.splits = tuple(bool(p.split) for p in pairs)
-        self.indices = tuple(Tensor(split_rows(spec)[1]) if p.split else NO_INDEX for p, spec in zip(pairs, specs))
+        self.gathers = (self.gather,) * (len(order) if self.per_tensor else len(units))  # mapped (kernels note)
 
-    def construct(self, fulls, shards, after):
+    def construct(self, after):
         """Gather after ``after``; returns ``after`` made to depend on every write."""
         if self.per_tensor:
-            done = MAP(ops.partial(gather_write, after), self.gathers, fulls, shards, self.splits, self.indices)
+            done = MAP(ops.partial(gather_write, after), self.gathers, self.fulls, self.shards)
         else:
-            done = MAP(ops.partial(gather_unit, after, fulls, shards, self.splits, self.indices), self.gathers,
-                       self.positions, self.buckets)
+            done = MAP(ops.partial(gather_unit, after, self.fulls, self.shards), self.gathers, self.positions,
+                       self.buckets)
+        return ops.depend(after, done)
+
+
+class _OwnerBroadcast(nn.Cell):
+    """One owner's broadcast of its updated parameters of one dtype (a ``broadcasts``
+    :class:`~mindzero.core.state.CommBucket`): the owner sends what it updated (cast to the network's dtype),
+    every other rank receives into its own copy (stages 1-2) or a zero buffer of the full shape (stage 3); then
+    every rank writes the value, or at stage 3 its shard of it, into the network's tensor."""
+
+    def __init__(self, bucket, state: ZeroState):
+        super().__init__(auto_prefix=False)
+        world = state.world
+        params = [state.params[i] for i in bucket.positions]
+        self.op = backend_of(world).broadcast(bucket.root)
+        self.bucket = Bucket.of(bucket.specs)
+        self.mine = tuple(ps.update.owned_by(world.op_rank) for ps in params)
+        self.sources = ParameterTuple([ps.target for ps in params])
+        self.helds = ParameterTuple([ps.weight for ps in params])
+        self.shapes = tuple(tuple(ps.spec.shape) for ps in params)
+        self.paddings = tuple(ps.spec.padding for ps in params)
+        self.sharded = state.config.policy.shard_parameters
+        self.op_rank, self.op_size = world.op_rank, world.op_size
+
+    def construct(self, after):
+        values = MAP(ops.partial(broadcast_input, after, self.sharded), self.mine, self.shapes, self.sources,
+                     self.helds)
+        out = self.op(values, self.bucket)
+        done = MAP(ops.partial(broadcast_write, self.op_rank, self.op_size, self.sharded), self.paddings, self.helds,
+                   out)
         return ops.depend(after, done)
 
 
 class WriteBack(nn.Cell):
-    """After the optimizer step: stages 1-2 all-gather the updated master shards into the full parameters
-    (:class:`GatherInto`, in the parameters' dtype), or the updated own shards of split parameters into their
-    rests; with ``param_dtype`` every other master is cast to ``param_dtype`` and assigned to its network
-    parameter (no communication)."""
+    """After the optimizer step: stages 1-2 all-gather the updated flat master shards into the full parameters
+    (:class:`GatherInto`, in the parameters' dtype); every owner broadcasts its updated owner-mode parameters
+    (:class:`_OwnerBroadcast`, one after the other, in the plan's order: the same collectives on every rank); with
+    ``param_dtype`` every other master is cast to ``param_dtype`` and assigned to its network parameter (no
+    communication)."""
 
     def __init__(self, state: ZeroState):
         super().__init__(auto_prefix=False)
-        pairs = self.pairs = state.master_pairs
-        gathered = [pair for pair in pairs if pair.shard_of_full]
-        self.has_gather = bool(gathered)
+        self.has_gather = bool(state.gather)
         if self.has_gather:
-            specs = [ps.spec for ps in state.params if ps.master is not None and ps.master.shard_of_full]
-            self.gather = GatherInto(state.gather, state.world, gathered, specs)
-            self.fulls = ParameterTuple([pair.held for pair in gathered])
-            self.shards = ParameterTuple([pair.master for pair in gathered])
-        local = [pair for pair in pairs if not pair.shard_of_full]
+            self.gather = GatherInto(state.gather, state.world, [ps.weight for ps in state.params],
+                                     [ps.target for ps in state.params])
+        self.broadcasts = nn.CellList([_OwnerBroadcast(b, state) for b in state.broadcasts], auto_prefix=False)
+        self.has_broadcast = bool(state.broadcasts)
+        local = state.masters_of(CAST)
         self.has_local = bool(local)
         if self.has_local:
             self.helds = ParameterTuple([pair.held for pair in local])
@@ -181,10 +213,58 @@ class WriteBack(nn.Cell):
     def construct(self, after):
         """Write after ``after``; returns ``after`` made to depend on every write."""
         if self.has_gather:
-            after = self.gather(self.fulls, self.shards, after)
+            after = self.gather(after)
+        if self.has_broadcast:
+            for broadcast in self.broadcasts:
+                after = broadcast(after)
         if self.has_local:
             after = ops.depend(after, MAP(ops.partial(write_cast, after), self.helds, self.masters))
         return after
+
+
+class Refresh(nn.Cell):
+    """Before each update, every master takes up a value written into the network's tensor since the last one
+    (:class:`~mindzero.core.state.MasterPair`): a flat master shard becomes this rank's slice of the parameter; a
+    ``param_dtype`` master keeps its value where the network's copy equals it cast, and takes the copy's value
+    elsewhere. Without such a write both leave every master as it was, bit for bit."""
+
+    def __init__(self, state: ZeroState):
+        super().__init__(auto_prefix=False)
+        params = [ps for ps in state.params if ps.master is not None and ps.master.refresh]
+        self.masters = ParameterTuple([ps.master.master for ps in params])
+        self.helds = ParameterTuple([ps.master.held for ps in params])
+        self.sliced = tuple(ps.master.kind == GATHER for ps in params)
+        self.paddings = tuple(ps.spec.padding for ps in params)
+        self.op_rank, self.op_size = state.world.op_rank, state.world.op_size
+        self.empty = not params
+
+    def construct(self, after):
+        """Returns ``after`` made to depend on every refresh."""
+        if self.empty:
+            return after
+        return ops.depend(after, MAP(ops.partial(refresh, after, self.op_rank, self.op_size), self.masters,
+                                     self.helds, self.sliced, self.paddings))
+
+
+class OwnerGradients(nn.Cell):
+    """Owner mode: each owner-mode parameter's reduced gradient shard is all-gathered (every rank, in optimizer
+    order); its owner hands the full gradient to the optimizer, every other rank a stand-in of zeros (of the
+    stand-in's shape) made after the gather. Other gradients pass as they are."""
+
+    def __init__(self, state: ZeroState):
+        super().__init__(auto_prefix=False)
+        n, op_rank = len(state.params), state.world.op_rank
+        gather = AllGather(state.world)
+        self.gathers = (gather,) * n  # mapped beside the gradients (kernels note)
+        self.gather = gather
+        self.kinds = tuple(0 if ps.update.mode != OWNER else 1 if ps.update.owned_by(op_rank) else 2
+                           for ps in state.params)
+        self.numels = tuple(ps.spec.numel for ps in state.params)
+        self.shapes = tuple(tuple(ps.spec.shape) for ps in state.params)
+        self.stand_ins = tuple(placeholder_shape(ps.spec.shape, ps.spec.shape) for ps in state.params)
+
+    def construct(self, grads):
+        return MAP(owner_grad, self.gathers, grads, self.kinds, self.numels, self.shapes, self.stand_ins)
 
 
 class ZeroEMA(nn.Cell):
@@ -240,14 +320,12 @@ class AfterUpdate(nn.Cell):
 
     def __init__(self, step):
         super().__init__(auto_prefix=False)
-        self.has_write_back, self.has_ema, self.has_split = step.has_write_back, step.has_ema, step.has_split
+        self.has_write_back, self.has_ema = step.has_write_back, step.has_ema
         if self.has_write_back:
             self.write_back = step.write_back
         if self.has_ema:
             self.ema = step.ema
             self.weights = step.weights
-            self.positions, self.rest_at, self.join_orders = step.positions, step.rest_at, step.join_orders
-            self.numels, self.shapes = step.numels, step.shapes
 
     def construct(self, skipped):
         after = skipped
@@ -255,11 +333,7 @@ class AfterUpdate(nn.Cell):
             if not skipped:
                 after = self.write_back(after)
         if self.has_ema:
-            weights = self.weights
-            if self.has_split:
-                weights = MAP(ops.partial(join_at, self.weights), self.positions, self.rest_at, self.join_orders,
-                              self.numels, self.shapes)
-            after = ops.depend(after, self.ema(weights, skipped))
+            after = ops.depend(after, self.ema(self.weights, skipped))
         return after
 
 
@@ -278,17 +352,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.network.set_grad()
         self.optimizer = optimizer
         n = len(state.params)
-        # split parameters (stages 1-2, mindzero.engine.split): gradients are taken w.r.t. the own shard (in
-        # optimizer order) and the rest (after the n weights), then joined into the full gradient
-        splits = [(i, ps) for i, ps in enumerate(state.params) if ps.master is not None and ps.master.split]
-        self.has_split = bool(splits)
-        self.weights = ParameterTuple(state.weights + [ps.master.held for _, ps in splits])
-        rest_at, orders, numels, shapes = [-1] * n, [NO_INDEX] * n, [0] * n, [()] * n
-        for k, (i, ps) in enumerate(splits):
-            rest_at[i], orders[i] = n + k, Tensor(split_rows(ps.spec)[0])
-            numels[i], shapes[i] = ps.spec.numel, tuple(ps.spec.shape)
-        self.positions, self.rest_at, self.join_orders = tuple(range(n)), tuple(rest_at), tuple(orders)
-        self.numels, self.shapes = tuple(numels), tuple(shapes)
+        self.weights = ParameterTuple(state.weights)
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
         self.micro = Reduction(n, state.micro, world)  # stage 2's reduce-scatter of each micro-step's gradients
         # the reductions at the accumulation boundary; mixed precision widens to fp32 (the optimizer's masters)
@@ -298,9 +362,13 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.norm_paddings = tuple(ps.reduce_spec.padding for ps in state.params)
         self.has_sharded_norm = any(kind != REPLICATED for kind in self.norm_kinds)
         self.op_rank, self.op_size = world.op_rank, world.op_size
-        self.has_write_back = bool(state.master_pairs)
+        self.has_write_back = bool(state.gather or state.broadcasts or state.masters_of(CAST))
         if self.has_write_back:
             self.write_back = WriteBack(state)
+        self.refresh = Refresh(state)
+        self.has_owner_grads = bool(state.owner_grads)
+        if self.has_owner_grads:
+            self.owner_grads = OwnerGradients(state)
         # gradients are reduced (and accumulated) in reduce_dtype (mixed precision, or 16-bit reduction alone)
         self.reduce_dtype = getattr(ms, config.precision.reduce_in) if config.precision.reduce_in else None
         self.accum_steps = config.gradient_accumulation_steps
@@ -320,9 +388,8 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.has_ema = state.ema is not None
         if self.has_ema:
             self.ema = state.ema
-        # stages that shard gradients reduce each where backward produces it: compiled in depth-first order (split
-        # steps too: the tutorial's stage 1 peaked 26 MiB lower so)
-        self.exec_order = "dfs" if config.policy.shard_gradients or self.has_split else None
+        # stages that shard gradients reduce each where backward produces it: compiled in depth-first order
+        self.exec_order = "dfs" if config.policy.shard_gradients else None
         self.offloaded = state.offload is not None  # optimizer_offload="disk": the update streams the states
         object.__setattr__(self, "disk", state.offload)
         if self.offloaded and self.accum_steps > 1:
@@ -370,8 +437,6 @@ class ZeroTrainOneStepCell(nn.Cell):
         loss = self.network(*inputs)
         sens = ops.fill(loss.dtype, loss.shape, ops.cast(scale, loss.dtype))
         grads = self.grad(self.network, self.weights)(*inputs, sens)
-        if self.has_split:
-            grads = self._joined(grads)
         if self.reduce_dtype is not None:
             grads = MAP(ops.partial(cast_to, self.reduce_dtype), grads)
         grads = self.micro(grads, scale)  # (no scaling here: the factor is applied once, at the boundary)
@@ -408,30 +473,28 @@ class ZeroTrainOneStepCell(nn.Cell):
             return overflow, grads
         if self.has_ema:  # after the gather, so stages 1-2 average the updated full parameters
             skipped = overflow if self.drop_overflow_update else ops.zeros((), ms.bool_)
-            weights = self._joined(self.weights) if self.has_split else self.weights
-            overflow = ops.depend(overflow, self.ema(weights, skipped))
+            overflow = ops.depend(overflow, self.ema(self.weights, skipped))
         return overflow, grads
 
-    def _joined(self, values):
-        """Per optimized parameter (optimizer order): ``values[i]``, or for a split one the full tensor joined
-        from its own shard's and its rest's entries of ``values`` (gradients, or the weights themselves)."""
-        return MAP(ops.partial(join_at, values), self.positions, self.rest_at, self.join_orders, self.numels,
-                   self.shapes)
-
     def _update(self, grads, after):
-        """The optimizer step; then the masters are written back (:class:`WriteBack`): stages 1-2 all-gather
-        every updated shard into its split parameter's rest (or master shard into its full parameter), mixed
-        precision casts the others.
+        """The optimizer step: the masters refreshed (:class:`Refresh`), owner-mode gradients gathered
+        (:class:`OwnerGradients`), the optimizer, then the write-back (:class:`WriteBack`): stages 1-2 all-gather
+        every updated flat master shard into its parameter, owners broadcast theirs, mixed precision casts the
+        others.
 
         The gather sits in the same branch as the update: after the branch (where an earlier step, whose
         chained assigns MindSpore 2.10 dropped inside a branch, had it) the runtime held the gathered
         values across the branch boundary: +212 MiB of memory pool on a 105M GPT (stage 1, one process),
         about half the parameter bytes; inside, +5 MiB."""
+        after = self.refresh(after)
         if self.offloaded:  # the streamed update runs after the graph (ZeroTrainOneStepCell.__call__): with
             # accumulation the gradients wait in buffers, without it they are the graph's output
             if self.accum_steps > 1:
                 return ops.depend(after, MAP(store, self.offload_grads, grads))
             return after
+        grads = MAP(ops.partial(depend_on, after), grads)
+        if self.has_owner_grads:
+            grads = self.owner_grads(grads)
         after = ops.depend(after, self.optimizer(grads))
         if self.has_write_back:
             after = self.write_back(after)

@@ -6,7 +6,17 @@ import pytest
 
 from mindzero.core.config import STAGES, MixedPrecision, ZeroConfig, stage_policy
 from mindzero.core.memory import expected_bytes
+from mindzero.core.optim_plan import OptimizerModel, planned_updates
 from mindzero.core.plan import ParamInfo, PartitionPlan
+
+
+def _expected(plan, stage, accumulate=True, ema=False, param_dtype=None, n_states=2, op_rank=0):
+    """``expected_bytes`` of ``plan`` at ``stage`` for an element-wise optimizer with ``n_states`` states."""
+    config = ZeroConfig(zero_stage=stage, gradient_accumulation_steps=2 if accumulate else 1,
+                        precision=MixedPrecision.parse(param_dtype, None))
+    optimized = [s for s in plan if s.optimized]
+    updates = planned_updates(optimized, OptimizerModel(n_states), config.policy.shard_optimizer_states, plan.op_size)
+    return expected_bytes(plan, config, {s.name: u for s, u in zip(optimized, updates)}, op_rank, ema)
 
 
 def test_no_mindspore_import():
@@ -52,31 +62,46 @@ def test_expected_bytes_by_hand(n):
     sharded_shard = 4 * sum(ss)
     full_opt = 4 * (105 + 4369 + 1 + 5)  # optimized parameters
     everything = full_opt + 4 * 3 + 4 * 6
-    e0 = expected_bytes(_plan(n), STAGES[0], n_states=2, accumulate=True)
+    e0 = _expected(_plan(n), 0)
     assert e0 == dict(parameters=everything, gradients=full_opt, optimizer_states=2 * full_opt,
                       optimizer_moments=2 * full_opt, master_shards=0, ema=0)
-    e1 = expected_bytes(_plan(n), STAGES[1], 2, True)
-    # fp32 stages 1-2: no master; each sharded parameter is held once, as its shard and the rest (padding included),
-    # except where a shard would hold padding only (the scalar "c" over 2+ ranks) and in an op group of one, which
-    # keep the master shard (a copy)
-    split_padding = 4 * sum(s * n - numel for s, numel in zip(ss[:2], (105, 4369))) if n > 1 else 0
+    e1 = _expected(_plan(n), 1)
+    # fp32 stages 1-2: the user's full parameters, and a master shard of each sharded one that the optimizer updates
     assert e1["optimizer_moments"] == 2 * (sharded_shard + 20)
-    assert e1["master_shards"] == (4 * ss[2] if n > 1 else sharded_shard)
-    assert e1["gradients"] == full_opt and e1["parameters"] == everything + split_padding
-    mixed = expected_bytes(_plan(n), STAGES[1], 2, True, precision=MixedPrecision.parse("float16", None))
-    assert mixed["master_shards"] == sharded_shard  # fp32 master shards beside the fp16 copies
-    e2 = expected_bytes(_plan(n), STAGES[2], 2, True)
-    assert e2["gradients"] == sharded_shard + 20
-    e3 = expected_bytes(_plan(n), STAGES[3], 2, True)
+    assert e1["master_shards"] == sharded_shard
+    assert e1["gradients"] == full_opt and e1["parameters"] == everything
+    mixed = _expected(_plan(n), 1, param_dtype="float16")
+    assert mixed["master_shards"] == sharded_shard  # fp32 master shards beside the copies
+    e2 = _expected(_plan(n), 2)
+    assert e2["gradients"] == sharded_shard + 20 and e2["master_shards"] == e1["master_shards"]
+    e3 = _expected(_plan(n), 3)
     # stage 3 shards the frozen weight too (no state for it); the buffer stays whole on every rank
     assert e3["parameters"] == sharded_shard + 20 + 12 + 4 * -(-6 // n) and e3["master_shards"] == 0
-    kept = expected_bytes(_plan(n, shard_frozen=False), STAGES[3], 2, True)
+    kept = _expected(_plan(n, shard_frozen=False), 3)
     assert kept["parameters"] == sharded_shard + 20 + 12 + 4 * 6 and kept["optimizer_states"] == e3["optimizer_states"]
     assert e3["optimizer_states"] == 2 * (sharded_shard + 20)
-    assert expected_bytes(_plan(n), STAGES[3], 2, False)["gradients"] == 0
+    assert _expected(_plan(n), 3, accumulate=False)["gradients"] == 0
     # an EMA is held like the optimized parameters: full at stages 0-2, shards at stage 3
-    assert expected_bytes(_plan(n), STAGES[2], 2, True, ema=True)["ema"] == full_opt
-    assert expected_bytes(_plan(n), STAGES[3], 2, True, ema=True)["ema"] == sharded_shard + 20
+    assert _expected(_plan(n), 2, ema=True)["ema"] == full_opt
+    assert _expected(_plan(n), 3, ema=True)["ema"] == sharded_shard + 20
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_expected_bytes_of_an_owner_mode_optimizer(n):
+    """An optimizer that is not element-wise (LAMB's model): each sharded parameter's two states whole on its
+    owner, a stand-in of one element per state elsewhere; every rank's bytes add up to the states once."""
+    plan = _plan(n)
+    config = ZeroConfig(zero_stage=1)
+    optimized = [s for s in plan if s.optimized]
+    updates = planned_updates(optimized, OptimizerModel(2, elementwise=False), True, n)
+    by_name = {s.name: u for s, u in zip(optimized, updates)}
+    ranks = [expected_bytes(plan, config, by_name, r) for r in range(n)]
+    owned = {s.name: u.owner for s, u in zip(optimized, updates) if u.mode == "owner"}
+    assert sorted(owned) == ["a", "b", "c"]  # the replicated bias is updated whole on every rank
+    stand_ins = [8 * sum(owner != r for owner in owned.values()) for r in range(n)]
+    total = sum(r["optimizer_moments"] - s for r, s in zip(ranks, stand_ins))
+    assert total == 2 * 4 * (105 + 4369 + 1) + n * 2 * 4 * 5
+    assert all(r["master_shards"] == 0 for r in ranks)  # fp32 stages 1-2: the owner updates the user's parameter
 
 
 def test_mixed_precision_policy_parse():
@@ -98,9 +123,8 @@ def test_mixed_precision_bytes_are_the_paper_formula(stage):
     exactly when every shape divides by N."""
     from mindzero.core.estimate import paper_formula
 
-    mp = MixedPrecision.parse("float16")
     plan = PartitionPlan.build([ParamInfo("a", (8, 4), "float16"), ParamInfo("b", (16,), "float16")], 4, 1)
-    got = expected_bytes(plan, STAGES[stage], 2, True, precision=mp)
+    got = _expected(plan, stage, param_dtype="float16", op_rank=1)
     formula = paper_formula(48, stage, 4, mixed_precision=True)
     assert {k: got[k] for k in formula} == {k: int(v) for k, v in formula.items()}
 
@@ -151,12 +175,3 @@ def test_stage3_policy_is_the_one_stage_3_rule():
         Stage3Policy(regather=1)
 
 
-@pytest.mark.parametrize("numel, n, even", [(5, 4, False), (6, 4, False), (7, 4, True), (1, 2, False), (2, 2, True), (91, 4, True),
-                                            (4, 8, False), (1000, 8, True)])
-def test_splits_evenly(numel, n, even):
-    """Stages 1-2 hold a parameter split only where every rank's shard holds an element (the padding is shorter
-    than a shard): 5 or 6 over 4 ranks pad 3 or 2 into shards of 2, so the last shard is padding only."""
-    from mindzero.core.plan import splits_evenly
-
-    (spec,) = PartitionPlan.build([ParamInfo("w", (numel,))], n, 0)
-    assert splits_evenly(spec) is even

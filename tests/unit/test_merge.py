@@ -259,7 +259,7 @@ def _edit_split_info(tmp_path, rank, edit):
 
 def test_unknown_format_version(tmp_path):
     ck = _edit_split_info(tmp_path, 0, lambda raw: raw.update(format_version=FORMAT_VERSION + 1))
-    with pytest.raises(MergeError, match=fr"format_version must be one of \(1, 2\), got {FORMAT_VERSION + 1}"):
+    with pytest.raises(MergeError, match=fr"format_version must be one of \(1, 2, 3\), got {FORMAT_VERSION + 1}"):
         merge_checkpoint(ck, tmp_path / "out.ckpt", log=None)
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from mindzero.core.config import ZeroConfig, stage_policy
 from mindzero.core.memory import expected_bytes
+from mindzero.core.optim_plan import OptimizerModel, planned_updates
 from mindzero.core.offload import (PIECE_ALIGN, SLOTS, OffloadError, OffloadPolicy, StateFile, StateLayout,
                                    check_directory, slot_bytes)
 from mindzero.core.plan import ParamInfo, PartitionPlan
@@ -65,10 +66,13 @@ def test_expected_bytes_with_disk_offload():
     """The moments leave memory for the file (read and written once per update); with accumulation the
     gradients wait in buffers of the optimizer's targets; the slots are counted beside."""
     plan = PartitionPlan.build([ParamInfo("w", (1000, 300)), ParamInfo("b", (7,))], 4, 0)
-    disk = OffloadPolicy.parse("disk", "/x", 1)
+    updates = dict(zip(("w", "b"), planned_updates(plan.specs, OptimizerModel(2), True, 4)))
     for accumulate in (False, True):
-        mem = expected_bytes(plan, stage_policy(3), 2, accumulate)
-        off = expected_bytes(plan, stage_policy(3), 2, accumulate, offload=disk)
+        k = 2 if accumulate else 1
+        mem = expected_bytes(plan, ZeroConfig(zero_stage=3, gradient_accumulation_steps=k), updates)
+        disk = ZeroConfig(zero_stage=3, gradient_accumulation_steps=k, optimizer_offload="disk",
+                          offload=OffloadPolicy.parse("disk", "/x", 1))
+        off = expected_bytes(plan, disk, updates)
         assert mem["optimizer_moments"] == 2 * 4 * (75000 + 2)
         assert off["optimizer_disk"] == 2 * 300032 + 2 * 64  # each state of a piece 64-byte aligned
         assert off["optimizer_moments"] == 0 and off["disk_io_per_step"] == 2 * off["optimizer_disk"]
