@@ -78,7 +78,8 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
     taken = {id(p) for _, p in out if p is not None}
     scratch = (*disk.placeholders, *disk.grads) if disk is not None else ()  # stand-ins, gradients between steps
     states = [s for group in layout.states.values() for s in group]  # incl. a non-owner's stand-ins
-    skip = {id(p) for p in (*info.master_shards, *info.accum_buffers, *layout.params, *states, *scratch)} | taken
+    skip = {id(p) for p in (*info.master_shards, *info.accum_buffers, *layout.params, *states, *scratch,
+                            info.order)} | taken
     for p in train_net.get_parameters():
         if id(p) not in skip:
             out.append((entry_at(p.name, "scalar", p.shape, MS_TO_NAME[str(p.dtype)], None, stage, fmt), p))

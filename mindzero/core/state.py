@@ -126,6 +126,7 @@ class ZeroState:
     real_calls: tuple = ()  # with real reduce-scatter and sub-group collectives (what GPU/Ascend run)
     offload: object = None  # optimizer_offload="disk": mindzero.engine.offload.DiskOffload (the states' file)
     layout: object = None  # mindzero.engine.optim.OptimizerLayout: the optimizer's roles, as re-pointed
+    order: object = None  # a scalar Parameter the update's collectives are chained through (train_step's note)
 
     @property
     def fusion(self):

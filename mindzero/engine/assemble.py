@@ -60,7 +60,8 @@ def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
     state = ZeroState(config, world, plan, params, micro=micro, boundary=boundary, gather=gather,
                       owner_grads=owner_grads, broadcasts=broadcasts, state_attrs=layout.state_attrs,
                       scale_sense=scale_sense, loss_scale_manager=manager, ema=ema, regather=regather,
-                      units=tuple(sharded.units), offload=sharded.offload, layout=layout)
+                      units=tuple(sharded.units), offload=sharded.offload, layout=layout,
+                      order=Parameter(Tensor(0, ms.int32), name="zero_collective_order", requires_grad=False))
     state.calls, state.real_calls = state_calls(state)
     return state
 

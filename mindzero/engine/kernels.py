@@ -132,21 +132,33 @@ def _depend_on(after, x):
     return ops.depend(x, after)
 
 
-@gather_unit.register("Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
-def _gather_unit(after, fulls, shards, gather, positions, bucket):
-    """After ``after``: one bucket's all-gather of updated master shards into their full parameters (in the
-    parameters' dtype: a bucket has one)."""
+def _in_order(token, x):
+    """``x``, ordered after the last collective :func:`_after_collective` recorded in ``token`` (see
+    :class:`mindzero.engine.train_step.CollectiveOrder`)."""
+    return ops.depend(x, token)
+
+
+def _after_collective(token, out):
+    """``out``, recorded in ``token`` as the last collective issued, so the next one waits for it."""
+    return ops.depend(out, ops.assign(token, ops.depend(token + 1, out)))
+
+
+@gather_unit.register("Tensor", "Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
+def _gather_unit(after, token, fulls, shards, gather, positions, bucket):
+    """After ``after`` and the previous collective (``token``): one bucket's all-gather of updated master shards into
+    their full parameters (in the parameters' dtype: a bucket has one)."""
     held = pick(fulls, positions)
-    shards = MAP(ops.partial(depend_on, after), pick(shards, positions))
-    values = gather(MAP(ops.partial(cast_to, held[0].dtype), shards), bucket)
+    shards = MAP(ops.partial(depend_on, _in_order(token, after)), pick(shards, positions))
+    values = _after_collective(token, gather(MAP(ops.partial(cast_to, held[0].dtype), shards), bucket))
     return MAP(write_gathered, held, values)
 
 
-@gather_write.register("Tensor", "Function", "Tensor", "Tensor")
-def _gather_write(after, gather, full, shard):
-    """After ``after``: one all-gather of an updated master shard into its full parameter (mixed precision: in
-    param_dtype, half the bytes of fp32)."""
-    return _write_gathered(full, gather(_cast_to(full.dtype, ops.depend(shard, after))))
+@gather_write.register("Tensor", "Tensor", "Function", "Tensor", "Tensor")
+def _gather_write(after, token, gather, full, shard):
+    """After ``after`` and the previous collective (``token``): one all-gather of an updated master shard into its
+    full parameter (mixed precision: in param_dtype, half the bytes of fp32)."""
+    shard = _in_order(token, ops.depend(shard, after))
+    return _write_gathered(full, _after_collective(token, gather(_cast_to(full.dtype, shard))))
 
 
 @write_gathered.register("Tensor", "Tensor")
@@ -172,13 +184,14 @@ def _refresh(after, op_rank, op_size, master, held, sliced, padding):
     return ops.assign(master, ops.select(kept, master, ops.cast(value, master.dtype)))
 
 
-@owner_grad.register("Function", "Tensor", "Number", "Number", "Tuple", "Tuple")
-def _owner_grad(gather, g, kind, numel, shape, stand_in):
+@owner_grad.register("Tensor", "Function", "Tensor", "Number", "Number", "Tuple", "Tuple")
+def _owner_grad(token, gather, g, kind, numel, shape, stand_in):
     """Owner mode: ``g`` (kind 0, not owner-mode), or the all-gathered full gradient (kind 1: its owner), or zeros
-    of the stand-in's shape made after the gather (kind 2: every other rank)."""
+    of the stand-in's shape made after the gather (kind 2: every other rank); each gather after the previous
+    collective (``token``)."""
     if kind == 0:
         return g
-    full = gather(g)
+    full = _after_collective(token, gather(_in_order(token, g)))
     if kind == 1:
         if full.shape[0] != numel:
             full = full[:numel]

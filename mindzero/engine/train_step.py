@@ -37,8 +37,11 @@ overflow, is decided as in the graph.
 
 In graph mode every rank compiles its own graph: owner mode makes the optimizer's work differ between ranks (one
 updates a parameter whole, the others a stand-in of a few elements), never the collectives: every rank issues the
-same collectives, in the same order and of the same shapes (the all-gathers of owner-mode gradients, then one
-broadcast per owner, chained), from the same buckets (:func:`mindzero.core.comm_plan.step_buckets`).
+same collectives, from the same buckets (:func:`mindzero.core.comm_plan.step_buckets`). Where the graphs differ,
+MindSpore's scheduler would order independent collectives differently on different ranks (measured: two
+all-gathers of different sizes met, "RingAllGather Memcpy error"), so from the owner-mode gradients' all-gathers
+on every collective of the update waits for the one before it: each records itself in ``state.order`` (a scalar
+Parameter) and the next reads it first (MindSpore keeps reads and writes of a Parameter in program order).
 
 Returns ``(loss, overflow, loss_scale)`` like ``nn.TrainOneStepWithLossScaleCell``;
 ``loss`` is this rank's local loss of the micro-batch.
@@ -138,8 +141,9 @@ class GatherInto(nn.Cell):
     :class:`~mindzero.core.state.CommBucket` (positions in optimizer order); ``fulls`` / ``shards``: the
     parameters and their master shards, one per optimizer position (``None`` where none is gathered)."""
 
-    def __init__(self, units, world: World, fulls, shards):
+    def __init__(self, units, world: World, fulls, shards, token):
         super().__init__(auto_prefix=False)
+        self.token = token
         order = [i for u in units for i in u.positions]
         at = {i: k for k, i in enumerate(order)}
         self.fulls = ParameterTuple([fulls[i] for i in order])
@@ -153,10 +157,10 @@ class GatherInto(nn.Cell):
     def construct(self, after):
         """Gather after ``after``; returns ``after`` made to depend on every write."""
         if self.per_tensor:
-            done = MAP(ops.partial(gather_write, after), self.gathers, self.fulls, self.shards)
+            done = MAP(ops.partial(gather_write, after, self.token), self.gathers, self.fulls, self.shards)
         else:
-            done = MAP(ops.partial(gather_unit, after, self.fulls, self.shards), self.gathers, self.positions,
-                       self.buckets)
+            done = MAP(ops.partial(gather_unit, after, self.token, self.fulls, self.shards), self.gathers,
+                       self.positions, self.buckets)
         return ops.depend(after, done)
 
 
@@ -201,7 +205,7 @@ class WriteBack(nn.Cell):
         self.has_gather = bool(state.gather)
         if self.has_gather:
             self.gather = GatherInto(state.gather, state.world, [ps.weight for ps in state.params],
-                                     [ps.target for ps in state.params])
+                                     [ps.target for ps in state.params], state.order)
         self.broadcasts = nn.CellList([_OwnerBroadcast(b, state) for b in state.broadcasts], auto_prefix=False)
         self.has_broadcast = bool(state.broadcasts)
         local = state.masters_of(CAST)
@@ -254,6 +258,7 @@ class OwnerGradients(nn.Cell):
     def __init__(self, state: ZeroState):
         super().__init__(auto_prefix=False)
         n, op_rank = len(state.params), state.world.op_rank
+        self.token = state.order
         gather = AllGather(state.world)
         self.gathers = (gather,) * n  # mapped beside the gradients (kernels note)
         self.gather = gather
@@ -264,7 +269,8 @@ class OwnerGradients(nn.Cell):
         self.stand_ins = tuple(placeholder_shape(ps.spec.shape, ps.spec.shape) for ps in state.params)
 
     def construct(self, grads):
-        return MAP(owner_grad, self.gathers, grads, self.kinds, self.numels, self.shapes, self.stand_ins)
+        return MAP(ops.partial(owner_grad, self.token), self.gathers, grads, self.kinds, self.numels, self.shapes,
+                   self.stand_ins)
 
 
 class ZeroEMA(nn.Cell):
