@@ -8,6 +8,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+# mindone's trainers (CAME, Muon) for the optimizer tests: its own dependencies (transformers, opencv, ...) are not
+# needed there (tests/support/optimizers.py loads the trainer modules from their files)
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "mindone==0.5.0"
 if ! command -v mpirun >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     echo "installing openmpi-bin (for the mpirun launch tests)"

@@ -103,6 +103,8 @@ def describe_optimizer(layout, params) -> list:
             return f"<parameter {names[id(value)]}>"
         if isinstance(value, (Tensor, Parameter)):
             array = value.asnumpy()
+            if array.size <= 8:  # a learning rate, a beta, a step: its values, as the message names them
+                return f"{array.dtype}{array.reshape(-1).tolist()}"
             return f"<{array.dtype}{tuple(array.shape)} crc {crc32_array(array)}>"
         if depth == 0:
             return f"<{type(value).__name__}>"
@@ -118,8 +120,9 @@ def describe_optimizer(layout, params) -> list:
         return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
     out = [("class", f"{type(opt).__module__}.{type(opt).__qualname__}")]
-    out += [(f"attribute {key!r}", text(value)) for key, value in sorted(vars(opt).items())
-            if key not in skip and not key.startswith("__")]
+    attributes = {key: value for key, value in vars(opt).items() if key not in skip and not key.startswith("__")}
+    attributes.update(layout.scalars)  # learning rates, betas, step counters: Parameters a Cell keeps in _params
+    out += [(f"attribute {key!r}", text(value)) for key, value in sorted(attributes.items())]
     for ps in params:
         u = ps.update
         out.append((f"parameter {ps.name!r}", f"{u.mode} owner {u.owner} states "

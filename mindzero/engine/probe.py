@@ -26,7 +26,8 @@ dependence on other elements, which changes values by far more (a norm or a mean
 tensor); a flat parameter then trains within a few ulps of plain data parallel, not always bit for bit.
 
 Parameters with the same probe signature (dimensions, dtype, state layouts, per-parameter entries, group) share
-one probe; all probes of one optimizer run in one view, so a prepare compiles two small graphs.
+one probe; all probes of one optimizer, whole and in pieces, run as entries of one view, so a prepare compiles one
+small graph.
 
 What a probe cannot see: an update whose dependence on other elements shows only for values the probe does not
 reach (a clip at a threshold its data never crosses). :func:`register_elementwise_optimizer` overrides the probe
@@ -202,34 +203,39 @@ class _Probe:
 
 
 def _run_probe(layout: OptimizerLayout, chosen, shapes) -> dict:
+    """One view holds each representative four times, whole and as its three pieces (independent entries of the
+    optimizer's per-parameter map), so one graph compiles; :data:`STEPS` calls of it."""
     data = _Probe(layout, chosen, shapes)
     attrs = list(layout.states)
+    copies = [None, *range(PIECES)]  # whole, then the pieces
 
-    def run(piece):
-        def value(array, k):
-            return array.copy() if piece is None else data.piece(array, k, piece)
+    def value(array, k, piece):
+        return array.copy() if piece is None else data.piece(array, k, piece)
 
-        params = [Parameter(Tensor(value(a, k)), name=f"zero_probe.{k}") for k, a in enumerate(data.params)]
-        states = {attr: [Parameter(Tensor(value(a, k)), name=f"zero_probe_state.{attr}.{k}", requires_grad=False)
-                         for k, a in enumerate(data.states[attr])] for attr in attrs}
-        view = optimizer_view(layout, data.chosen, params, states)
-        for step in range(STEPS):
-            view(tuple(Tensor(value(g[step], k)) for k, g in enumerate(data.grads)))
-        return [p.asnumpy() for p in params], {a: [s.asnumpy() for s in states[a]] for a in attrs}
-
-    whole_params, whole_states = run(None)
-    pieces = [run(r) for r in range(PIECES)]
+    entries = [(k, piece) for k in range(len(data.chosen)) for piece in copies]
+    params = [Parameter(Tensor(value(data.params[k], k, piece)), name=f"zero_probe.{k}.{piece}")
+              for k, piece in entries]
+    states = {attr: [Parameter(Tensor(value(data.states[attr][k], k, piece)),
+                               name=f"zero_probe_state.{attr}.{k}.{piece}", requires_grad=False)
+                     for k, piece in entries] for attr in attrs}
+    view = optimizer_view(layout, [data.chosen[k] for k, _ in entries], params, states)
+    for step in range(STEPS):
+        view(tuple(Tensor(value(data.grads[k][step], k, piece)) for k, piece in entries))
+    got = {(k, piece): (params[e].asnumpy(), {a: states[a][e].asnumpy() for a in attrs})
+           for e, (k, piece) in enumerate(entries)}
     verdicts = {}
     for k, i in enumerate(data.chosen):
         numel = int(np.prod(data.shapes[k]))
-        pairs = [("", np.concatenate([p[0][k].reshape(-1) for p in pieces])[:numel], whole_params[k].reshape(-1))]
+        whole_param, whole_states = got[(k, None)]
+        pieces = [got[(k, r)] for r in range(PIECES)]
+        pairs = [("", np.concatenate([p[0].reshape(-1) for p in pieces])[:numel], whole_param.reshape(-1))]
         for attr in attrs:
-            whole = whole_states[attr][k]
+            whole = whole_states[attr]
             if whole.shape == tuple(data.shapes[k]):
-                pairs.append((attr, np.concatenate([p[1][attr][k].reshape(-1) for p in pieces])[:numel],
+                pairs.append((attr, np.concatenate([p[1][attr].reshape(-1) for p in pieces])[:numel],
                               whole.reshape(-1)))
             else:
-                pairs += [(attr, p[1][attr][k], whole) for p in pieces]
+                pairs += [(attr, p[1][attr], whole) for p in pieces]
         bad = [attr for attr, a, b in pairs if not _close(a, b)]
         if bad:
             what = f"its state {bad[0]!r}" if bad[0] else "its update"

@@ -9,7 +9,7 @@ from mindspore import Tensor, nn
 
 import mindzero
 from mindzero.core.offload import OffloadError
-from mindzero.engine.optim import splits_parameters
+from mindzero.engine.offload import splits_parameters
 from tests.support.models import OPTIMIZERS
 
 ms.set_context(mode=ms.GRAPH_MODE)

@@ -1,7 +1,8 @@
-"""One process: every optimizer mindzero shards, built eagerly and under ``lazy_init``: after
-``prepare_train_network`` nothing the user's optimizer or network held before stays alive where the stage
-replaces it (weak references), the optimizer holds only what the stage needs, and a lazy build trains as an
-eager one, bit for bit; MindSpore's ``mint.optim`` optimizers are accepted, or refused with the reason."""
+"""One process: how mindzero reads an optimizer and decides, per parameter, flat shards or an owner (the element-wise
+probe) for every optimizer of the table; the registration override both ways; optimizers built eagerly and under
+``lazy_init``: after ``prepare_train_network`` nothing the user's optimizer or network held before stays alive where
+the stage replaces it (weak references), the optimizer holds only what the stage needs, and a lazy build trains as
+an eager one, bit for bit; MindSpore's ``mint.optim`` optimizers are accepted, or refused with the reason."""
 import contextlib
 import json
 
@@ -11,6 +12,7 @@ import mindspore as ms
 from mindspore import Tensor, mint, nn
 
 import mindzero
+from tests.support.optimizers import CASES, build as build_opt_net, came, muon, parameter_modes
 from tests.support.release import RELEASE_OPTIMIZERS, StackNet, released
 
 ms.set_context(mode=ms.GRAPH_MODE)
@@ -80,26 +82,108 @@ def test_mint_amsgrad_in_some_groups_refused():
         mindzero.prepare_train_network(net, opt, zero_stage=1)
 
 
-def test_register_elementwise_accepts_torch_style_optimizers():
-    from mindspore.experimental.optim import Optimizer
+def test_register_overrides_the_probe_both_ways():
+    """``register_elementwise_optimizer(cls, False)`` owns every sharded parameter whole (an element-wise SGD
+    then trains as before); ``True`` shards flat without a probe, and refuses a class whose states are not shaped
+    as their parameters, naming the state; a subclass follows its registered base; bad arguments are refused."""
+    from mindzero.engine.probe import _REGISTERED
 
-    from mindzero.engine.optim import ELEMENTWISE_OPTIMIZERS
+    class MySGD(nn.SGD):
+        pass
 
-    class MySGD(Optimizer):
-        def __init__(self, params, lr):
-            super().__init__(params, {"lr": lr})
-
-    mindzero.register_elementwise_optimizer(MySGD)
     try:
-        assert MySGD in ELEMENTWISE_OPTIMIZERS
+        mindzero.register_elementwise_optimizer(nn.SGD, False)
         net = StackNet()
-        with pytest.raises(ValueError, match=r"element-wise optimizers only \(.*Momentum, MySGD, SGD, mint\.optim\.Adam,"):
-            mindzero.prepare_train_network(net, nn.Lamb(net.trainable_params(), 1e-3), zero_stage=1)
+        step = mindzero.prepare_train_network(net, MySGD(net.trainable_params(), 0.1), zero_stage=2)
+        assert {u.mode for u in step.zero_info.updates} == {"owner"}
+        assert "registered as not element-wise" in step.zero_info.updates[0].why
+        mindzero.register_elementwise_optimizer(nn.AdaFactor, True)
+        net = StackNet()
+        with pytest.raises(ValueError, match=r"optimizer AdaFactor is registered element-wise, but its state "
+                                             r"'exp_avg_sq' of parameter 'layers.0.weight' has shape \(1,\), not "
+                                             r"the parameter's \(48, 48\): it cannot be sharded flat"):
+            mindzero.prepare_train_network(net, nn.AdaFactor(net.trainable_params()), zero_stage=1)
     finally:
-        ELEMENTWISE_OPTIMIZERS.discard(MySGD)
+        _REGISTERED.pop(nn.SGD, None)
+        _REGISTERED.pop(nn.AdaFactor, None)
     with pytest.raises(TypeError, match="cls must be a subclass of mindspore.nn.Optimizer or "
                                         "mindspore.experimental.optim.Optimizer .*, got <class 'int'>"):
         mindzero.register_elementwise_optimizer(int)
+    with pytest.raises(TypeError, match="elementwise must be a bool, got 'yes'"):
+        mindzero.register_elementwise_optimizer(nn.SGD, "yes")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_the_probe_decides_every_optimizer_of_the_table(case):
+    """Flat where the optimizer updates each element from that element alone, owner mode where it does not
+    (factored statistics, an RMS clip, Muon's matrices), decided from the optimizer itself; the user's optimizer
+    is not moved by the probe (its step counters and states as they were)."""
+    from mindzero.core.plan import ParamInfo, PartitionPlan
+    from mindzero.engine.optim import OptimizerLayout
+    from mindzero.engine.probe import decide_modes
+
+    net = build_opt_net()
+    opt = case.make(net.trainable_params())
+    layout = OptimizerLayout.read(opt)
+    before = {key: p.asnumpy().copy() for key, p in layout.scalars.items()}
+    states = [s.asnumpy().copy() for group in layout.states.values() for s in group]
+    specs = PartitionPlan.build([ParamInfo(p.name, tuple(p.shape)) for p in layout.params], 2, 0).specs
+    decided = decide_modes(layout, specs, True)
+    assert {p.name: mode for p, (mode, _, _) in zip(layout.params, decided)} == parameter_modes(case, net)
+    for key, p in layout.scalars.items():
+        np.testing.assert_array_equal(p.asnumpy(), before[key], err_msg=key)
+    for s, value in zip([s for group in layout.states.values() for s in group], states):
+        np.testing.assert_array_equal(s.asnumpy(), value)
+    whys = [why for mode, why, _ in decided if mode == "owner"]
+    assert all(why for why in whys), whys
+
+
+def test_the_layout_reads_roles_not_classes():
+    """States are found by their names (``<prefix>.<param>``, ``<param>_<suffix>``), per-parameter entries by
+    length, and a name MindSpore's bases do not use is reported (mindone Muon's ``use_muon`` and ``lr_ratio``); a
+    learning-rate tuple of a grouped optimizer is an entry, not a state."""
+    from mindzero.engine.optim import OptimizerLayout
+
+    net = build_opt_net()
+    layout = OptimizerLayout.read(muon(net.trainable_params()))
+    assert set(layout.states) == {"exp_avg", "exp_avg_sq"} and set(layout.unknown) == {"use_muon", "lr_ratio"}
+    came_layout = OptimizerLayout.read(came(net.trainable_params()))
+    assert set(came_layout.states) == {"m", "v", "v_row", "v_col", "v_res_row", "v_res_col"}
+    ps = net.trainable_params()
+    grouped = OptimizerLayout.read(nn.AdamWeightDecay([{"params": ps[:2], "lr": 1e-3}, {"params": ps[2:]}], 1e-2))
+    assert set(grouped.states) == {"moments1", "moments2"} and "learning_rate" in grouped.per_parameter
+    assert not grouped.unknown
+
+
+def test_a_probe_that_cannot_run_decides_owner_mode():
+    """An optimizer whose view fails (here: its update raises for a probe's shape) gets owner mode, which is exact
+    for any optimizer, with the reason."""
+    class Fussy(nn.SGD):
+        def construct(self, gradients):
+            if gradients[0].shape[0] == 5:  # the probe's matrix: no such parameter in the network
+                raise ValueError("not this shape")
+            return super().construct(gradients)
+
+    net = StackNet()
+    step = mindzero.prepare_train_network(net, Fussy(net.trainable_params(), 0.1), zero_stage=1)
+    updates = step.zero_info.updates
+    assert all(u.mode == "owner" for u in updates if len(step.zero_info.params[0].spec.shape) == 2)
+    assert "the element-wise probe could not run (ValueError: not this shape)" in updates[0].why
+
+
+def test_a_wrapping_optimizer_is_refused_naming_the_rule():
+    class Wrapper(nn.Optimizer):
+        def __init__(self, inner):
+            super().__init__(0.1, inner.parameters)
+            self.inner = inner
+
+        def construct(self, gradients):
+            return self.inner(gradients)
+
+    net = StackNet()
+    with pytest.raises(ValueError, match="optimizer Wrapper wraps another optimizer \\(SGD\\); zero_stage 1-3 shard one "
+                                         "optimizer"):
+        mindzero.prepare_train_network(net, Wrapper(nn.SGD(net.trainable_params(), 0.1)), zero_stage=2)
 
 
 def test_checkpoint_step_from_mint_counters(tmp_path):

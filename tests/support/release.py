@@ -59,10 +59,9 @@ def released(kind: str, lazy: bool, stage: int, seed: int = 0) -> dict:
     ``stage`` on the current world, and count what is still alive of the Parameters held before.
 
     Returns:
-        ``{"params", "params_alive", "sharded", "sharded_alive", "masters", "split", "states", "states_alive",
-        "whole",
+        ``{"params", "params_alive", "sharded", "sharded_alive", "masters", "states", "states_alive", "whole",
         "opt_bytes", "opt_shard_bytes"}``: ``sharded``: the parameters the plan shards (``sharded_alive`` of them
-        still alive), ``masters``: the step's master copies (``zero_master.*``), ``split``: its split parameters;
+        still alive), ``masters``: the step's master copies (``zero_master.*``);
         ``opt_bytes`` the bytes of every multi-element Parameter the optimizer holds after prepare,
         ``opt_shard_bytes`` what its sharded parameters and states need (the plan's shard sizes); ``states``
         counts the states of the parameters the plan shards, ``whole`` the trainable parameters it keeps whole.
@@ -89,7 +88,7 @@ def released(kind: str, lazy: bool, stage: int, seed: int = 0) -> dict:
     result = dict(params=len(params), params_alive=sum(r() is not None for r in params), states=len(states),
                   sharded=len(sharded), sharded_alive=sum(r() is not None for r, n in zip(params, names) if n in sharded),
                   masters=sum(p.name.startswith("zero_master.") for p in train.get_parameters()),
-                  split=len(info.split_pairs), whole=sum(n not in sharded for n in names),
+                  whole=sum(n not in sharded for n in names),
                   states_alive=sum(r() is not None for r in states),
                   opt_bytes=sum(int(p.nbytes) for p in _big_optimizer_tensors(opt)), opt_shard_bytes=shard_bytes)
     del train, net, opt

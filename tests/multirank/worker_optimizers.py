@@ -1,0 +1,123 @@
+"""One msrun launch: every optimizer of the table (tests/support/optimizers.py) trained by plain data parallel and
+by mindzero at stages 1-3; the network contract of stages 0-2 (the user's Parameters, MindSpore's own
+save_checkpoint / load_checkpoint on the network); optimizers that differ across ranks refused.
+
+Each rank writes ``<out>/rank_<r>/<case>-<stage>.npz`` (losses, final full parameters, each parameter's mode and
+owner), ``contract.json``, ``mismatch.json``, and ``<out>/rank_<r>.done``.
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+import mindspore as ms
+from mindspore import nn
+
+import mindzero
+from tests.support.optimizers import CASES, OptNet, build, stages_for
+from tests.support.tier import add_worker_flag
+from tests.support.worker import ReferenceStep, start
+
+STEPS = 4
+
+
+def train(case, stage, world, steps=STEPS):
+    """``case``'s optimizer on OptNet: plain data parallel (``stage="dp"``) or mindzero at ``stage``."""
+    net = build()
+    opt = case.make(net.trainable_params())
+    if stage == "dp":
+        net.set_train()
+        step = ReferenceStep(net, opt) if case.torch_style else nn.TrainOneStepCell(net, opt)
+    else:
+        step = mindzero.prepare_train_network(net, opt, zero_stage=stage)
+    losses = []
+    for s in range(steps):
+        out = step(*OptNet.batch(s, world.world_rank))
+        losses.append(float((out if stage == "dp" else out[0]).asnumpy()))
+    if stage == "dp":
+        params = {p.name: p.asnumpy() for p in net.trainable_params()}
+        return dict(losses=np.array(losses), **{"param/" + k: v for k, v in params.items()})
+    info = step.zero_info
+    params = mindzero.gather_full_state_dict(step)
+    report = mindzero.memory_report(step)
+    modes = {ps.name: ps.update.mode for ps in info.params}
+    owners = {ps.name: -1 if ps.update.owner is None else ps.update.owner for ps in info.params}
+    return dict(losses=np.array(losses), **{"param/" + k: v for k, v in params.items()},
+                **{"mode/" + k: np.array(v) for k, v in modes.items()}, **{"owner/" + k: np.array(v) for k, v in owners.items()},
+                owned=np.array(report["owned"]), moments=np.array(report["optimizer_moments"]),
+                expected_moments=np.array(report["expected"]["optimizer_moments"]),
+                balance=np.array(report["balance"]["per_rank"], np.float64))
+
+
+def contract(world, out_dir):
+    """Stages 0-2 keep the user's network: the same Parameter objects (names, shapes); MindSpore's own
+    ``save_checkpoint`` of the network writes plain data parallel's values; ``load_checkpoint`` into the network
+    (the initial weights, after two steps) then trains on exactly as plain data parallel does."""
+    from tests.support.optimizers import BY_NAME
+
+    result = {}
+    first = out_dir / "initial.ckpt"
+    for kind in ("nn.AdamWeightDecay", "mindone.CAME"):
+        case = BY_NAME[kind]
+        for stage in ("dp", 0, 1, 2):
+            net = build()
+            before = [(id(p), p.name, tuple(p.shape)) for p in net.trainable_params()]
+            if stage == "dp" and kind == "nn.AdamWeightDecay":
+                ms.save_checkpoint(net, str(first))  # the weights a fine-tuning loads
+            opt = case.make(net.trainable_params())
+            step = nn.TrainOneStepCell(net, opt) if stage == "dp" else \
+                mindzero.prepare_train_network(net, opt, zero_stage=stage)
+            step.set_train()
+            after = [(id(p), p.name, tuple(p.shape)) for p in net.trainable_params()]
+            losses = []
+            for s in range(2):
+                out = step(*OptNet.batch(s, world.world_rank))
+                losses.append(float((out if stage == "dp" else out[0]).asnumpy()))
+            saved = out_dir / f"network-{kind}-{stage}.ckpt"
+            ms.save_checkpoint(step.network if stage != "dp" else net, str(saved))
+            ms.load_checkpoint(str(first), net=step.network if stage != "dp" else net)  # start again from them
+            for s in range(2, 5):
+                out = step(*OptNet.batch(s, world.world_rank))
+                losses.append(float((out if stage == "dp" else out[0]).asnumpy()))
+            file = {k: v.asnumpy().tolist() for k, v in ms.load_checkpoint(str(saved)).items()}
+            result[f"{kind}/{stage}"] = dict(same_objects=before == after and after == [
+                (id(p), p.name, tuple(p.shape)) for p in net.trainable_params()], losses=losses, saved=file,
+                final={p.name: p.asnumpy().tolist() for p in net.trainable_params()})
+    (out_dir / "contract.json").write_text(json.dumps(result))
+
+
+def mismatch(world, out_dir):
+    """The last rank builds its optimizer with another learning rate, then of another class: prepare fails on every
+    rank, naming the rank and both values."""
+    last = world.world_rank == world.world_size - 1
+    result = {}
+    for what, make in (("lr", lambda ps: nn.AdamWeightDecay(ps, 2e-2 if last else 1e-2)),
+                       ("class", lambda ps: (nn.Adam if last else nn.AdamWeightDecay)(ps, 1e-2))):
+        net = build()
+        try:
+            mindzero.prepare_train_network(net, make(net.trainable_params()), zero_stage=2)
+            result[what] = ""
+        except ValueError as err:
+            result[what] = str(err)
+    (out_dir / "mismatch.json").write_text(json.dumps(result))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="", help="comma-separated case names (default: all)")
+    add_worker_flag(ap)
+    worker = start(ap)
+    world, out_dir = worker.world, worker.rank_dir
+    mismatch(world, out_dir)
+    contract(world, out_dir)
+    for case in CASES:
+        if worker.args.only and case.name not in worker.args.only.split(","):
+            continue
+        for stage in ("dp", *stages_for(case, worker.args.full_tier)):
+            np.savez(out_dir / f"{case.name}-{stage}.npz", **train(case, stage, world))
+        print(f"optimizer {case.name}: done", flush=True)
+    worker.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
