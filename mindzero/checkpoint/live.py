@@ -231,7 +231,7 @@ def iter_full_tensors(train_net, names=None, ema: bool = False, masters: bool = 
         if name in owned:
             ps = owned[name]
             mine = ps.update.owned_by(info.world.op_rank)
-            value = ps.master.master if mine else Tensor(np.zeros(spec.shape, np.float32))
+            value = ps.master.master.value() if mine else Tensor(np.zeros(spec.shape, np.float32))
             yield name, backend.host_broadcast(ps.update.owner)(value).reshape(spec.shape)
         elif name in shards:
             yield name, gather(values[name].value())[:spec.numel].reshape(spec.shape)

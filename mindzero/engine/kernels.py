@@ -133,9 +133,9 @@ def _depend_on(after, x):
 
 
 def _in_order(token, x):
-    """``x``, ordered after the last collective :func:`_after_collective` recorded in ``token`` (see
-    :class:`mindzero.engine.train_step.CollectiveOrder`)."""
-    return ops.depend(x, token)
+    """``x``, ordered after the last collective :func:`_after_collective` recorded in ``token`` (the note in
+    :mod:`mindzero.engine.train_step`): it depends on a read of ``token`` (a load after every earlier write)."""
+    return ops.depend(x, token + 0)
 
 
 def _after_collective(token, out):

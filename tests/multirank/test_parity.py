@@ -221,10 +221,10 @@ def test_stage_equals_stage0(run, model, stage):
 
 
 def test_prepare_releases_what_it_replaces(run):
-    """Every supported optimizer (nn and mint.optim), eager and lazy, with the caller still holding its network,
-    optimizer and train step: after prepare no replaced full parameter (stage 3, and stage 1 in fp32, which holds
-    each as its shard and the rest, no master) or full optimizer state (stages 1 and 3) is alive on any rank, and the optimizer holds exactly the shard bytes of the plan (half
-    of the full bytes at 2 ranks)."""
+    """Optimizers of both families (nn and mint.optim), eager and lazy, with the caller still holding its network,
+    optimizer and train step: after prepare no replaced full parameter (stage 3) or full optimizer state (stages 1
+    and 3) is alive on any rank, stage 1 keeps the user's full parameters and a master shard of each, and the
+    optimizer holds exactly the shard bytes of the plan (half of the full bytes at 2 ranks)."""
     n, res = run
     for r in range(n):
         got = res.json(r, "released.json")
@@ -232,10 +232,12 @@ def test_prepare_releases_what_it_replaces(run):
         for key, c in got.items():
             stage = int(key.rsplit("/", 1)[1])
             assert c["states"] > 0 and c["states_alive"] == 0, (r, key, c)
-            # stage 3 replaces every sharded parameter by its shard, stage 1 (fp32) by its shard and the rest, so
-            # none of the originals stays alive; no master copy beside them in fp32
-            assert c["sharded"] > 0 and c["sharded_alive"] == 0, (r, key, c)
-            assert c["masters"] == 0 and c["split"] == (c["sharded"] if stage == 1 else 0), (r, key, c)
+            # stage 3 replaces every sharded parameter by its shard: none of the originals stays alive; stage 1
+            # keeps the user's parameters, and the optimizer updates a master shard of each
+            if stage == 3:
+                assert c["sharded"] > 0 and c["sharded_alive"] == 0 and c["masters"] == 0, (r, key, c)
+            else:
+                assert c["sharded"] == c["sharded_alive"] == c["masters"] > 0, (r, key, c)
             assert c["opt_bytes"] == c["opt_shard_bytes"], (r, key, c)
 
 
@@ -385,10 +387,7 @@ def test_memory_report(run, stage):
         if stage == 3:
             assert mk["parameters"] * n == m0["parameters"] + 4 * (pad + (n - 1) * repl)
             assert mk["master_shards"] == 0
-        elif stage == 1:  # fp32: each sharded parameter held once, as its shard and the rest (with padding); no master
-            assert mk["parameters"] == m0["parameters"] + 4 * pad
-            assert mk["master_shards"] == 0
-        else:  # stage 2 keeps the fp32 master shard (mindzero.engine.split.split_layout)
+        else:  # stages 1-2: the user's full parameters, and the master shard the optimizer updates beside each
             assert mk["parameters"] == m0["parameters"]
             assert mk["master_shards"] * n == m0["parameters"] - 4 * repl + 4 * pad
         # accum: Adam (2 states), K=4, nothing replicated

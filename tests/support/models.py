@@ -216,7 +216,15 @@ OPTIMIZERS = {
                                              {"params": [p for p in ps if "bias" in p.name], "lr": 5e-3}],
                                             lr=1e-2, amsgrad=True),
     "mint_sgd": lambda ps: mint.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=True),
+    # not element-wise (factored statistics, an RMS clip): every sharded parameter owned whole by one rank
+    "came": lambda ps: _came(ps),
 }
+
+
+def _came(params):
+    from .optimizers import came
+
+    return came(params)
 #: optimizers that are not mindspore.nn.Optimizer: plain data parallel trains them with a reference loop
 #: (tests.support.worker.ReferenceStep), as nn.TrainOneStepCell needs an nn.Optimizer's attributes
 TORCH_STYLE = ("mint_adam", "mint_sgd")
