@@ -1,9 +1,10 @@
 """The worker of ``optimizer_memory.py`` (launched by msrun on every rank).
 
-``--job tutorial --config dp|0|1|2|3``: the PyTorch ``ZeroRedundancyOptimizer`` tutorial's experiment in
+``--job tutorial --config dp|0|1|2|3|1o|2o|3o``: the PyTorch ``ZeroRedundancyOptimizer`` tutorial's experiment in
 MindSpore: 20 x ``nn.Dense(2000, 2000)`` built eagerly, ``nn.Adam`` (lr 0.01), one step of MSE on
 ``randn(20, 2000)``; ``dp`` is ``nn.TrainOneStepCell`` under DATA_PARALLEL, ``0``-``3`` are
-``mindzero.prepare_train_network``. Records the RSS right after ``init()``, the peak RSS up to and after the
+``mindzero.prepare_train_network`` (``1o``-``3o``: ``nn.Adam`` registered as not element-wise, so each layer is
+updated whole on an owner rank, as PyTorch's ``ZeroRedundancyOptimizer`` partitions). Records the RSS right after ``init()``, the peak RSS up to and after the
 step (``VmHWM``), the RSS after prepare, and the sum of the parameters after the step.
 
 ``--job matrix --optimizers A,B``: for each optimizer, stage 0-3, eager or ``lazy_init`` build, fp32 or
@@ -71,7 +72,9 @@ def tutorial(a, world):
         train = nn.TrainOneStepCell(net, opt)
         train.set_train()
     else:
-        train = mindzero.prepare_train_network(net, opt, zero_stage=int(a.config))
+        if a.config.endswith("o"):  # owner mode: each layer's Adam states whole on one rank, balanced by bytes
+            mindzero.register_elementwise_optimizer(nn.Adam, False)
+        train = mindzero.prepare_train_network(net, opt, zero_stage=int(a.config[0]))
     after_prepare = settle()
     rng = np.random.RandomState(world.world_rank)
     x = Tensor(rng.randn(20, a.width).astype(np.float32))
@@ -81,7 +84,10 @@ def tutorial(a, world):
     peak = status_kib("VmHWM")
     params = mindzero.gather_full_state_dict(train) if a.config != "dp" else \
         {p.name: p.asnumpy() for p in net.get_parameters()}
+    report = mindzero.memory_report(train) if a.config != "dp" else None
     return dict(config=a.config, world_size=world.world_size, rss_init_kib=base,
+                held_mib=None if report is None else sum(report[k] for k in ("parameters", "optimizer_states")) / MIB,
+                balance=None if report is None else report["balance"]["ratio"],
                 prepare_above_init_mib=(after_prepare - base) / 1024, peak_above_init_mib=(peak - base) / 1024,
                 loss=loss, param_sum=float(sum(np.float64(v.sum()) for v in params.values())),
                 phi=sum(int(v.size) for v in params.values()))

@@ -48,7 +48,8 @@ NAMES = {"dp": "plain DP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": 
          "3p": "stage 3, small kept whole", "3qhp": "stage 3, int8 + fp16 + small kept whole",  # issue 38
          "3quhp": "stage 3, all three + small kept whole",
          "1d": "stage 1, states on disk", "2d": "stage 2, states on disk", "3d": "stage 3, states on disk",  # issue 37
-         "3pd": "stage 3, small kept whole, states on disk"}
+         "3pd": "stage 3, small kept whole, states on disk",
+         "1o": "stage 1, owned whole", "2o": "stage 2, owned whole", "3o": "stage 3, owned whole"}
 PHASES = ("init", "build", "prepare", "first_step", "steady")
 
 
@@ -57,6 +58,7 @@ def run_config(config, world, out, a):
     if a.reuse and all((run_dir / f"rank_{r}.json").exists() for r in range(world)):
         return [json.loads((run_dir / f"rank_{r}.json").read_text()) for r in range(world)]
     args = ["--config", config, "--steps", str(a.steps), "--bucket-mib", str(a.bucket_mib),
+            "--optimizer", getattr(a, "optimizer", "adamw"),
             "--persistence", str(a.persistence), *model_args(a)]
     if config != "dp" and not a.eager:
         args.append("--lazy")
@@ -111,7 +113,8 @@ def summarize(results, world):
             calls=comm["calls"], comm_mib=comm["bytes"] / MIB, traffic_mib=comm["traffic"] / MIB,
             traffic_real_mib=r0["comm_real"]["total"]["traffic"] / MIB,
             losses=r0["losses"], collective_seconds=r0.get("collective_seconds"),
-            link_mib=r0["link"]["bytes"] / MIB if "link" in r0 else None))
+            link_mib=r0["link"]["bytes"] / MIB if "link" in r0 else None,
+            updates=r0.get("updates"), balance=r0.get("balance")))
     return rows
 
 
@@ -147,6 +150,14 @@ def goals(rows) -> list:
         if "3qh" in sel:  # issue 24
             out.append((f"{w} ranks: stage 3 with int8 gathers and fp16 reduction at most 1.0x plain DP's steady "
                         "step", f"{sel['3qh']['step_ratio']:.2f}x", sel["3qh"]["step_ratio"] <= 1.0))
+        for s in ("1", "2", "3"):  # owner mode against flat sharding of the same optimizer
+            if s in sel and s + "o" in sel:
+                ratio = sel[s + "o"]["step_s"] / sel[s]["step_s"]
+                out.append((f"{w} ranks: {NAMES[s + 'o']} steady step at most 1.3x flat sharding's",
+                            f"{ratio:.2f}x", ratio <= 1.3))
+                spread = sel[s + "o"]["balance"]["ratio"]
+                out.append((f"{w} ranks: {NAMES[s + 'o']} optimizer states of the most loaded rank at most 1.15x the "
+                            "even share", f"{spread:.3f}x", spread <= 1.15))
         if "3" in sel:
             base = 517 if w == 4 else sel["3"]["calls"]
             out.append((f"{w} ranks: stage 3 collectives per step at most a quarter of {base}",
@@ -215,6 +226,15 @@ def markdown(rows, command) -> str:
     for r in rows:
         cells = [f"{p['rss_mib']:.0f} / {p['peak_mib']:.0f}" for p in r["timeline"][1:]]
         lines.append(f"| {r['world']} | {NAMES[r['config']]} | " + " | ".join(cells) + " |")
+    spread = [r for r in rows if r.get("balance")]
+    if spread:
+        lines += ["", "How the optimizer's update is shared out (the plan's optimizer-state bytes per op rank, MiB):",
+                  "", "| world | config | flat / owner / whole parameters | per rank | most loaded / even share |",
+                  "|---|---|---|---|---|"]
+        for r in spread:
+            u, b = r["updates"], r["balance"]
+            lines.append(f"| {r['world']} | {NAMES[r['config']]} | {u['flat']} / {u['owner']} / {u['whole']} | "
+                         f"{', '.join(f'{x / MIB:.1f}' for x in b['per_rank'])} | {b['ratio']:.3f}x |")
     lines += ["", "| goal | measured | met |", "|---|---|---|"]
     lines += [f"| {g} | {m} | {'yes' if ok else '**no**'} |" for g, m, ok in goals(rows)]
     return "\n".join(lines)
@@ -272,6 +292,9 @@ def charts(rows, out: Path) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", default="2,4")
+    ap.add_argument("--optimizer", default="adamw", choices=("adamw", "came", "muon"),
+                    help="the GPT's optimizer (zero_bench_worker.py); 'o' configurations own every sharded parameter "
+                    "whole whatever it is")
     ap.add_argument("--configs", default="dp,0,1,2,3")
     ap.add_argument("--out", default="runs/zero_bench")
     ap.add_argument("--steps", type=int, default=6, help="steady steps after the first")

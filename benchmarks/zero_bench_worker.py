@@ -71,7 +71,11 @@ def parse_args():
                     "--persistence elements kept whole (stage3_param_persistence_threshold; the model cap at its "
                     "default, 1%% of the elements: mindzero's defaults with --persistence 100000); without 'p' "
                     "every parameter is sharded (threshold 0); 'd' (e.g. '3d'): the optimizer states on disk "
-                    "(optimizer_offload='disk' under --offload-dir)")
+                    "(optimizer_offload='disk' under --offload-dir); 'o' (e.g. '2o'): every sharded parameter updated whole on an "
+                    "owner rank (the optimizer registered as not element-wise)")
+    ap.add_argument("--optimizer", default="adamw", choices=("adamw", "came", "muon"),
+                    help="nn.AdamWeightDecay (default), mindone's CAME, or mindone's Muon (Newton-Schulz in fp32) "
+                    "for the matrices with AdamW for the rest")
     ap.add_argument("--offload-dir", help="disk offload's directory (default: <out>/offload)")
     ap.add_argument("--chunk-mb", type=float, default=8, help="disk offload's offload_chunk_mb")
     ap.add_argument("--persistence", type=int, default=100_000, help="the threshold of a 'p' configuration")
@@ -100,13 +104,21 @@ def build(a, lazy: bool):
 
     ms.set_seed(0)
     lora = getattr(a, "lora", 0)
+    def optimizer(params):
+        kind = getattr(a, "optimizer", "adamw")
+        if kind == "adamw":
+            return nn.AdamWeightDecay(params, 1e-4, weight_decay=0.01)
+        from tests.support.optimizers import came, muon
+
+        return came(params) if kind == "came" else muon(params, lr=1e-4)
+
     if lazy:
         with mindzero.lazy_init():
             net = LMLoss(GPT(a.vocab, a.dim, a.layers, a.heads, a.seq, tied=True, lora_rank=lora))
-            opt = nn.AdamWeightDecay(net.trainable_params(), 1e-4, weight_decay=0.01)
+            opt = optimizer(net.trainable_params())
     else:
         net = LMLoss(GPT(a.vocab, a.dim, a.layers, a.heads, a.seq, tied=True, lora_rank=lora))
-        opt = nn.AdamWeightDecay(net.trainable_params(), 1e-4, weight_decay=0.01)
+        opt = optimizer(net.trainable_params())
     return net, opt
 
 
@@ -192,6 +204,8 @@ def main():
         flags = a.config[1:] if not a.config.endswith("bfs") else ""
         half_reduce = "h" in flags and not a.fp16
         offload = {}
+        if "o" in flags:  # owner mode for every sharded parameter, whatever the probe says
+            mindzero.register_elementwise_optimizer(type(opt), False)
         if "d" in flags:
             offload_dir = Path(a.offload_dir or Path(a.out) / "offload")
             offload_dir.mkdir(parents=True, exist_ok=True)
@@ -237,7 +251,9 @@ def main():
                   model=dict(vocab=a.vocab, dim=a.dim, layers=a.layers, heads=a.heads, seq=a.seq, batch=a.batch))
     if a.config == "dp":
         params = sum(p.nbytes for p in net.get_parameters())
-        moments = sum(p.nbytes for p in opt.moments1) + sum(p.nbytes for p in opt.moments2)
+        from mindzero.engine.optim import OptimizerLayout
+
+        moments = sum(s.nbytes for states in OptimizerLayout(opt).states.values() for s in states)
         result["memory"] = dict(parameters=params, gradients=0, optimizer_states=moments)
         result["comm"] = result["comm_real"] = dp_comm(net, world)
         if a.time_collectives:
@@ -246,6 +262,7 @@ def main():
         rep = mindzero.memory_report(train)
         result["memory"] = {k: rep[k] for k in ("parameters", "gradients", "optimizer_states")}
         result["memory_expected"] = {k: rep["expected"][k] for k in ("parameters", "gradients", "optimizer_states")}
+        result["updates"], result["balance"] = rep["updates"], rep["balance"]
         result["comm"] = summarize(train.zero_info.calls)
         result["comm_real"] = summarize(train.zero_info.real_calls)
         disk = train.zero_info.offload

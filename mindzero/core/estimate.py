@@ -37,7 +37,8 @@ import sys
 from .config import MixedPrecision, ZeroConfig, stage_policy
 from .memory import KINDS, expected_bytes
 from .offload import DEFAULT_CHUNK_MB
-from .optim_plan import OPTIMIZER_MODELS, OWNER, OptimizerModel, balance, every_rank_bytes, planned_updates
+from .optim_plan import (OPTIMIZER_MODELS, OWNER, MeasuredModel, OptimizerModel, balance, every_rank_bytes,
+                         planned_updates)
 from .checks import is_int, require_int
 from .introspect import param_infos
 from .options import ARGUMENT_DEFAULTS
@@ -96,7 +97,8 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
         zero_stage: 0-3. op_size: ranks the state is sharded over (the op group).
         optimizer: a name of :data:`mindzero.core.optim_plan.OPTIMIZER_MODELS` (what it keeps per parameter,
             and whether it is element-wise: ``adamw``, ``sgd`` (MindSpore's keeps two states), ``came``,
-            ``adafactor``, ``muon``, ``mint.adam``, ...).
+            ``adafactor``, ``muon``, ``mint.adam``, ...), or such a model (an ``OptimizerModel``, or a
+            ``MeasuredModel`` read from a real optimizer: ``mindzero-plan``).
         gradient_accumulation: count the persistent gradient buffers (``gradient_accumulation_steps > 1``).
         param_dtype, reduce_dtype: the mixed-precision policy of ``prepare_train_network`` (fp32 masters and
             moments).
@@ -123,10 +125,15 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
         ValueError: a bad stage, group size, optimizer or shape (the message names it).
     """
     require_int("op_size (ranks the state is sharded over)", op_size, 1)
-    key = str(optimizer).lower()
-    if key not in OPTIMIZER_MODELS:
-        raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZER_MODELS)}")
-    model = OPTIMIZER_MODELS[key] if n_states is None else OptimizerModel(require_int("n_states", n_states, 0))
+    if isinstance(optimizer, (OptimizerModel, MeasuredModel)):
+        key, model = "", optimizer
+    else:
+        key = str(optimizer).lower()
+        if key not in OPTIMIZER_MODELS:
+            raise ValueError(f"optimizer={optimizer!r}: must be one of {sorted(OPTIMIZER_MODELS)}")
+        model = OPTIMIZER_MODELS[key]
+    if n_states is not None:
+        model = OptimizerModel(require_int("n_states", n_states, 0))
     disk = optimizer_offload == "disk"
     config = ZeroConfig.from_arguments(dict(
         zero_stage=zero_stage, gradient_accumulation_steps=2 if gradient_accumulation else 1, param_dtype=param_dtype,

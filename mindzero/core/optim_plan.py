@@ -204,6 +204,34 @@ class OptimizerModel:
             return self.matrix_elementwise
         return self.elementwise
 
+    def states_of(self, spec) -> tuple:
+        """The states of the parameter ``spec`` (a :class:`~mindzero.core.plan.ShardSpec`), in fp32."""
+        return self.states(spec.shape, "float32")
+
+    def elementwise_of(self, spec) -> bool:
+        return self.updates_elementwise(spec.shape) and all(s.layout != OTHER for s in self.states_of(spec))
+
+
+@dataclass(frozen=True)
+class MeasuredModel:
+    """What a real optimizer keeps and how it updates, per parameter name (read from the optimizer and its
+    element-wise probe by :func:`mindzero.engine.probe.measured_model`): ``{name: (elementwise, states)}``. Used
+    like :class:`OptimizerModel` by the estimates of ``mindzero-plan``."""
+
+    by_name: dict
+    label: str = "the optimizer"
+
+    def states_of(self, spec) -> tuple:
+        return self.by_name[spec.name][1]
+
+    def elementwise_of(self, spec) -> bool:
+        return self.by_name[spec.name][0]
+
+    @property
+    def element(self) -> int:
+        """Element states per parameter (the most any parameter has): the paper formula's count."""
+        return max((sum(s.layout == ELEMENT for s in states) for _, states in self.by_name.values()), default=0)
+
 
 _ADAM = OptimizerModel(2)
 #: what each optimizer keeps, by the names ``estimate_memory`` and ``mindzero-estimate`` take (MindSpore's ``nn``
@@ -226,17 +254,17 @@ OPTIMIZER_MODELS = {
 }
 
 
-def planned_updates(specs, model: OptimizerModel, shard: bool, op_size: int, master_bytes=None) -> tuple:
+def planned_updates(specs, model, shard: bool, op_size: int, master_bytes=None) -> tuple:
     """The :class:`Update` each of ``specs`` (the optimized parameters' plan entries) would get from an optimizer
-    keeping what ``model`` says, in fp32: whole where nothing is shared out (``shard`` False: stage 0; or the plan
+    keeping what ``model`` says (an :class:`OptimizerModel`, in fp32, or a :class:`MeasuredModel`): whole where nothing is shared out (``shard`` False: stage 0; or the plan
     keeps the parameter whole), flat or owner by ``model``'s element-wise rule, owners assigned as a run assigns
     them (``master_bytes(spec)``: the full master an owner keeps, see :func:`owner_cost`)."""
     decided = []
     for spec in specs:
-        states = model.states(spec.shape, "float32")
+        states = model.states_of(spec)
         if not shard or not spec.sharded:
             decided.append((WHOLE, states))
-        elif model.updates_elementwise(spec.shape) and all(s.layout != OTHER for s in states):
+        elif model.elementwise_of(spec):
             decided.append((FLAT, states))
         else:
             decided.append((OWNER, states))

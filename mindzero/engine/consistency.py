@@ -12,7 +12,6 @@ import numpy as np
 from mindspore import Tensor
 
 from ..comm.cells import AllGather, shared_cell
-from ..core.checksum import crc32_array
 from ..core.plan import PartitionPlan
 from ..core.topology import World
 
@@ -86,43 +85,11 @@ def check_same_values(plan: PartitionPlan, digests: dict, world: World) -> None:
 
 
 def describe_optimizer(layout, params) -> list:
-    """``[(what, text)]``: everything every rank's optimizer must agree on, each as deterministic text: its class,
-    each hyper-parameter attribute (numbers and flags as written, tensors and shared scalars by dtype, shape and
-    CRC-32 of their values, per-parameter entries entry by entry, a torch-style optimizer's parameter groups without
-    their parameters), each parameter's states (shapes, dtypes) and how its update is shared out (mode, owner)."""
-    from mindspore import Parameter, Tensor, nn
-
-    opt = layout.optimizer
-    skip = set(layout.aliases) | set(layout.states) | set(vars(nn.Cell(auto_prefix=False)))
-    names = {id(p): p.name for p in layout.params}
-
-    def text(value, depth=3):
-        if isinstance(value, (bool, int, float, str, type(None))):
-            return repr(value)
-        if id(value) in names:
-            return f"<parameter {names[id(value)]}>"
-        if isinstance(value, (Tensor, Parameter)):
-            array = value.asnumpy()
-            if array.size <= 8:  # a learning rate, a beta, a step: its values, as the message names them
-                return f"{array.dtype}{array.reshape(-1).tolist()}"
-            return f"<{array.dtype}{tuple(array.shape)} crc {crc32_array(array)}>"
-        if depth == 0:
-            return f"<{type(value).__name__}>"
-        if isinstance(value, dict):
-            return "{" + ", ".join(f"{k!r}: {text(v, depth - 1)}" for k, v in value.items() if k not in layout.states) \
-                + "}"
-        if isinstance(value, (list, tuple)):
-            return "[" + ", ".join(text(v, depth - 1) for v in value) + "]"
-        if isinstance(value, nn.Cell):
-            return f"<{type(value).__name__} {text([p for p in value.get_parameters()], depth - 1)}>"
-        if hasattr(value, "attrs") and hasattr(value, "name"):  # a primitive: its name and attributes
-            return f"<{value.name} {sorted((k, repr(v)) for k, v in value.attrs.items())}>"
-        return f"<{type(value).__module__}.{type(value).__qualname__}>"
-
-    out = [("class", f"{type(opt).__module__}.{type(opt).__qualname__}")]
-    attributes = {key: value for key, value in vars(opt).items() if key not in skip and not key.startswith("__")}
-    attributes.update(layout.scalars)  # learning rates, betas, step counters: Parameters a Cell keeps in _params
-    out += [(f"attribute {key!r}", text(value)) for key, value in sorted(attributes.items())]
+    """``[(what, text)]``: everything every rank's optimizer must agree on, each as deterministic text
+    (:meth:`~mindzero.engine.optim.OptimizerLayout.hyper_parameters`: its class, every hyper-parameter attribute and
+    shared scalar, its parameter groups without their parameters), then each parameter's states (shapes, dtypes)
+    and how its update is shared out (mode, owner)."""
+    out = list(layout.hyper_parameters())
     for ps in params:
         u = ps.update
         out.append((f"parameter {ps.name!r}", f"{u.mode} owner {u.owner} states "

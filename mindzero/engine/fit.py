@@ -258,7 +258,11 @@ class Network:
     the full network has; ``None`` without one) and that list's attribute name."""
 
     def __init__(self, ref: str, kwargs: dict = None):
+        from ..core.config import MixedPrecision
+        from ..core.introspect import param_infos
+        from ..core.plan import PartitionPlan
         from .optim import OptimizerLayout
+        from .probe import measured_model
 
         net, opt, lists = build(ref, kwargs=kwargs)
         self.cut = self.depth = self.list_name = None
@@ -269,7 +273,11 @@ class Network:
             self.block_numel = best["block_numel"]
             self.block_bytes = sum(int(np.prod(p.shape)) * dtype_bytes(p.dtype)
                                    for p in best["cells"][0].get_parameters())
-        self.n_states = len(OptimizerLayout.read(opt).states)
+        layout = OptimizerLayout.read(opt)
+        self.n_states = len(layout.states)
+        plan = PartitionPlan.build(param_infos(net, MixedPrecision(), opt), 1, 0)
+        # what this optimizer keeps per parameter and how it updates each (flat or owned whole): the estimates'
+        self.model = measured_model(layout, [plan[p.name] for p in layout.params])
         self.numel = sum(int(np.prod(p.shape)) for p in net.get_parameters())
         self.net = net
         self.optimizer = opt
@@ -406,7 +414,7 @@ class Planner:
         accumulation = accumulation or int(options.get("gradient_accumulation_steps", 1) or 1)
         depth = self.network.depth if self.network.cut is not None else 0
         stage = int(options.get("zero_stage", 0))
-        est = estimate_memory(self.network.net, stage, self.world_size, n_states=self.network.n_states,
+        est = estimate_memory(self.network.net, stage, self.world_size, self.network.model,
                               gradient_accumulation=accumulation > 1,
                               **{k: options[k] for k in ("param_dtype", "reduce_dtype", "gather_quantization",
                                                          "stage3_param_persistence_threshold",
@@ -543,11 +551,22 @@ def plan(factory, sample, world_size: int, budget, *, stages=(0, 1, 2, 3), param
                     usable=usable, margin=margin,
                     network=dict(factory=planner.ref, blocks=net.depth, block_list=net.list_name,
                                  block_parameters=net.block_numel, world_size=world_size, batch=planner.batch,
-                                 sample=planner.sample),
+                                 sample=planner.sample, optimizer=optimizer_summary(net, world_size)),
                     largest_depth={p.label: net.largest(p.fit, usable, p.batch) for p in preds
                                    if net.cut is not None and p.accumulation == 1})
     finally:
         planner.close()
+
+
+def optimizer_summary(net: Network, world_size: int) -> dict:
+    """How the factory's optimizer shares its update out over ``world_size`` ranks at stages 1-3: its name, the
+    parameters sharded flat and owned whole, and (owner mode) the most loaded rank's optimizer states against the
+    even share."""
+    from ..core.estimate import estimate_memory
+
+    est = estimate_memory(net.net, 1, world_size, net.model, gradient_accumulation=False)
+    owned = est["owner_mode"]
+    return dict(name=net.model.label, flat=len(net.model.by_name) - owned, owner=owned, balance=est["balance"])
 
 
 def _parse_sample(text: str) -> list:
@@ -604,7 +623,11 @@ def main(argv=None) -> int:
     print(f"\n{net['factory']}: {net['blocks'] or 'no'} repeated blocks ({net['block_list']}), {a.world_size} ranks, "
           f"micro-batch {net['batch']}, budget {result['budget'] / GIB:.2f} GiB per rank ({result['usable'] / GIB:.2f} "
           f"GiB with the {result['margin']:.0%} margin) "
-          f"(calibrated in {time.time() - started:.0f} s)\n")
+          f"(calibrated in {time.time() - started:.0f} s)")
+    opt = net["optimizer"]
+    owned = (f", {opt['owner']} updated whole on an owner rank (the most loaded holds {opt['balance']:.2f}x the even "
+             "share of optimizer states)") if opt["owner"] else ""
+    print(f"optimizer {opt['name']} at stages 1-3: {opt['flat']} parameters sharded flat{owned}\n")
     print(result["table"])
     if result["largest_depth"]:
         print("\nlargest depth within the budget (blocks of this width):")

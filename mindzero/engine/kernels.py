@@ -213,7 +213,9 @@ def _broadcast_input(after, sharded, mine, shape, source, held):
 
 @broadcast_write.register("Number", "Number", "Bool", "Number", "Tensor", "Tensor")
 def _broadcast_write(op_rank, op_size, sharded, padding, held, value):
-    """``held := value`` (an owner's broadcast), or at stage 3 this rank's padded shard of it."""
+    """``held := value`` (an owner's broadcast), or at stage 3 this rank's padded shard of it. (PyNative's
+    ``Broadcast`` returns float16 values as float32, exactly: cast back.)"""
+    value = _cast_to(held.dtype, value)
     if sharded:
         return ops.assign(held, own_shard(value.reshape((-1,)), padding, op_rank, op_size))
     return ops.assign(held, value)

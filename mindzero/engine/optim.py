@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import re
 
-from mindspore import Parameter, ParameterTuple, mint, nn
+from mindspore import Parameter, ParameterTuple, Tensor, mint, nn
 from mindspore.experimental.optim import Optimizer as TorchStyleOptimizer
 
+from ..core.checksum import crc32_array
 from ..core.optim_plan import StateSpec, state_layout
 
 OPTIMIZER_BASES = (nn.Optimizer, TorchStyleOptimizer)
@@ -136,6 +137,45 @@ class OptimizerLayout:
         shape = tuple(self.params[index].shape if shapes is None else shapes[index])
         return tuple(StateSpec(attr, s[index].name, tuple(s[index].shape), _dtype_name(s[index].dtype),
                                state_layout(shape, s[index].shape)) for attr, s in self.states.items())
+
+    def describe(self, value, depth: int = 3) -> str:
+        """``value`` (an attribute of the optimizer, or part of one) as deterministic text: numbers and flags as
+        written, a tensor or Parameter of up to 8 elements by its values and a larger one by dtype, shape and CRC-32,
+        the optimizer's own parameters by name, sequences and dicts item by item (a torch-style group without its
+        states), a Cell by its class and Parameters, a primitive by its name and attributes."""
+        if isinstance(value, (bool, int, float, str, type(None))):
+            return repr(value)
+        names = {id(p): p.name for p in self.params}
+        if id(value) in names:
+            return f"<parameter {names[id(value)]}>"
+        if isinstance(value, Tensor):
+            array = value.asnumpy()
+            if array.size <= 8:  # a learning rate, a beta, a step: its values, as messages name them
+                return f"{array.dtype}{array.reshape(-1).tolist()}"
+            return f"<{array.dtype}{tuple(array.shape)} crc {crc32_array(array)}>"
+        if depth == 0:
+            return f"<{type(value).__name__}>"
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k!r}: {self.describe(v, depth - 1)}" for k, v in value.items()
+                                   if k not in self.states) + "}"
+        if isinstance(value, (list, tuple)):
+            return "[" + ", ".join(self.describe(v, depth - 1) for v in value) + "]"
+        if isinstance(value, nn.Cell):
+            return f"<{type(value).__name__} {self.describe(list(value.get_parameters()), depth - 1)}>"
+        if hasattr(value, "attrs") and hasattr(value, "name"):  # a primitive: its name and attributes
+            return f"<{value.name} {sorted((k, repr(v)) for k, v in value.attrs.items())}>"
+        return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+    def hyper_parameters(self) -> tuple:
+        """``((what, text), ...)``: the optimizer's class, then every attribute that is not its parameters or states
+        (hyper-parameters, per-parameter entries, groups) and every shared scalar, by :meth:`describe`: what every
+        rank's optimizer must agree on, and what an update depends on beyond the parameters' own values."""
+        skip = set(self.aliases) | set(self.states) | _cell_internals()
+        attributes = {key: value for key, value in vars(self.optimizer).items()
+                      if key not in skip and not key.startswith("__")}
+        attributes.update(self.scalars)  # learning rates, betas, step counters: Parameters a Cell keeps in _params
+        return ((("class", qualified_name(type(self.optimizer))),)
+                + tuple((f"attribute {key!r}", self.describe(value)) for key, value in sorted(attributes.items())))
 
     def group_of(self, index: int) -> int:
         """The parameter group of a torch-style optimizer that holds parameter ``index`` (0 for ``nn``)."""

@@ -8,8 +8,9 @@ per-parameter or global hyper-parameters. mindzero decides it per parameter, at 
    one value (a step count, ASGD's ``eta``). A state of another shape (AdaFactor's and CAME's factored rows and
    columns, a stand-in such as mindone Muon's empty ``exp_avg_sq`` of its matrices) makes it an owner-mode
    parameter (:data:`~mindzero.core.optim_plan.OWNER`) at once.
-2. **Probe.** The optimizer's own update runs on a small probe of the parameter (the same number of dimensions,
-   its dtype, its states started at the values the optimizer gave them) twice: whole, and cut into three flat
+2. **Probe.** The optimizer's own update runs on a small probe of the parameter (:func:`probe_shape`: the same
+   number of dimensions, each dimension's remainder by 32; its dtype; its states started at the values the
+   optimizer gave them) twice: whole, and cut into three flat
    padded pieces as sharding cuts it, each piece a 1D parameter of its own, for three steps of random gradients
    spanning four orders of magnitude (so that clips and norms inside an update show). It runs through a *view*
    of the user's optimizer (:func:`optimizer_view`: the same class, hyper-parameters, parameter group and
@@ -29,18 +30,19 @@ Parameters with the same probe signature (dimensions, dtype, state layouts, per-
 one probe; all probes of one optimizer, whole and in pieces, run as entries of one view, so a prepare compiles one
 small graph.
 
-What a probe cannot see: an update whose dependence on other elements shows only for values the probe does not
-reach (a clip at a threshold its data never crosses). :func:`register_elementwise_optimizer` overrides the probe
+What a probe cannot see: an update whose dependence on other elements shows only for values or sizes the probe does
+not reach (a clip at a threshold its data never crosses, a rule on a tensor's element count). :func:`register_elementwise_optimizer` overrides the probe
 for a class, both ways.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn
 
-from ..core.optim_plan import ELEMENT, FLAT, OTHER, OWNER, WHOLE, Update
+from ..core.optim_plan import ELEMENT, FLAT, OTHER, OWNER, WHOLE, MeasuredModel, Update
 from .materialize import is_lazy, np_dtype
 from .optim import OPTIMIZER_BASES, OptimizerLayout, family
 
@@ -50,7 +52,7 @@ PIECES = 3  # the probe's shards (an odd count: the last piece padded)
 RTOL = 1e-5  # how far a piece's element may round from the whole's (see the module note)
 STEPS = 3
 _REGISTERED = {}  # optimizer class -> True (flat) / False (owner mode)
-_PRIMES = (5, 7, 3, 11, 2, 13, 17, 19)
+PROBE_DIM = 32
 
 
 def register_elementwise_optimizer(cls, elementwise: bool = True) -> None:
@@ -113,6 +115,16 @@ def decide_modes(layout: OptimizerLayout, specs, shard: bool) -> list:
     return out
 
 
+def measured_model(layout: OptimizerLayout, specs) -> MeasuredModel:
+    """What ``layout``'s optimizer keeps per parameter and how it updates each (:func:`decide_modes` as if every
+    parameter were sharded): the model ``mindzero-plan``'s estimates use for this very optimizer. ``specs``: the
+    optimizer's parameters' plan entries (their full shapes)."""
+    sharded = [dataclasses.replace(s, sharded=True, reason="") for s in specs]
+    decided = decide_modes(layout, sharded, True)
+    return MeasuredModel({s.name: (mode == FLAT, states) for s, (mode, _, states) in zip(specs, decided)},
+                         type(layout.optimizer).__name__)
+
+
 def with_owners(decided, owners) -> tuple:
     """The :class:`~mindzero.core.optim_plan.Update` of each parameter: ``decided`` (:func:`decide_modes`) with the
     owner-mode parameters' ``owners`` (one per owner-mode parameter, in order)."""
@@ -123,11 +135,11 @@ def with_owners(decided, owners) -> tuple:
 
 # --- the probe ----------------------------------------------------------------------------------------------
 def probe_shape(shape) -> tuple:
-    """A small shape of ``shape``'s number of dimensions: equal dimensions stay equal, 1 stays 1, the others become
-    small primes (so that the probe's update is cheap and its rows and columns differ)."""
-    distinct = [d for d in dict.fromkeys(shape) if d != 1]
-    small = {d: _PRIMES[k % len(_PRIMES)] for k, d in enumerate(distinct)}
-    return tuple(1 if d == 1 else small[d] for d in shape)
+    """A small shape like ``shape``: every dimension of at most :data:`PROBE_DIM` elements as it is, a larger one
+    ``PROBE_DIM + d % PROBE_DIM`` (at most twice it): the same number of dimensions, and each dimension's remainder
+    by 2, 4, ..., 32 (an update may branch on them: MindSpore's gradient centralization applies where the second
+    dimension is a multiple of 16)."""
+    return tuple(d if d <= PROBE_DIM else PROBE_DIM + d % PROBE_DIM for d in shape)
 
 
 def signature(layout: OptimizerLayout, index: int, shapes) -> tuple:
@@ -142,22 +154,49 @@ def signature(layout: OptimizerLayout, index: int, shapes) -> tuple:
     return (len(shapes[index]), str(layout.params[index].dtype), states, tuple(entries), layout.group_of(index))
 
 
+_VERDICTS = {}  # (the optimizer's hyper-parameters, a representative's key) -> (flat, why), for this process
+
+
 def probe(layout: OptimizerLayout, indices, shapes) -> dict:
-    """``{index: (flat, why)}`` for the parameters ``indices`` (module note), one probe per signature."""
+    """``{index: (flat, why)}`` for the parameters ``indices`` (module note), one probe per signature. A verdict is
+    kept for the process: a later prepare of an optimizer with the same hyper-parameters and parameters alike (a
+    training script that prepares again, a test launch's many runs) reuses it instead of compiling the probe again."""
     reps, of = {}, {}
     for i in indices:
         key = signature(layout, i, shapes)
         reps.setdefault(key, i)
         of[i] = reps[key]
     chosen = sorted(reps.values())
-    try:
-        verdicts = _run_probe(layout, chosen, shapes)
-    except Exception as err:  # noqa: BLE001 - any failure means: not shown element-wise; owner mode is exact
-        logger.info("mindzero: the element-wise probe of %s failed (%s: %s); its parameters are owned whole",
-                    type(layout.optimizer).__name__, type(err).__name__, err)
-        reason = f"the element-wise probe could not run ({type(err).__name__}: {str(err).splitlines()[0][:120]})"
-        verdicts = {i: (False, reason) for i in chosen}
-    return {i: verdicts[of[i]] for i in indices}
+    context = layout.hyper_parameters()
+    keys = {i: (context, _probe_key(layout, i, shapes)) for i in chosen}
+    if not all(k in _VERDICTS for k in keys.values()):
+        try:
+            found = _run_probe(layout, chosen, shapes)
+        except Exception as err:  # noqa: BLE001 - any failure means: not shown element-wise; owner mode is exact
+            logger.info("mindzero: the element-wise probe of %s failed (%s: %s); its parameters are owned whole",
+                        type(layout.optimizer).__name__, type(err).__name__, err)
+            reason = f"the element-wise probe could not run ({type(err).__name__}: {_what_failed(err)})"
+            found = {i: (False, reason) for i in chosen}
+        _VERDICTS.update({keys[i]: found[i] for i in chosen})
+    return {i: _VERDICTS[keys[of[i]]] for i in indices}
+
+
+def _probe_key(layout: OptimizerLayout, index: int, shapes) -> tuple:
+    """What a probe of parameter ``index`` depends on beside the optimizer's hyper-parameters: its probe shape and
+    dtype, its states' layouts, dtypes and starting values, its per-parameter entries and its group."""
+    opt = layout.optimizer
+    states = tuple((s.attr, s.layout, s.dtype, float(_first_value(layout.states[s.attr][index])))
+                   for s in layout.state_specs(index, shapes))
+    entries = tuple(layout.describe(getattr(opt, attr)[index]) for attr in layout.per_parameter)
+    return (probe_shape(shapes[index]), str(layout.params[index].dtype), states, entries, layout.group_of(index))
+
+
+def _what_failed(err) -> str:
+    """The line of ``err`` that says what failed (MindSpore's graph errors open with a banner)."""
+    lines = [line.strip() for line in str(err).splitlines()]
+    lines = [line for line in lines if line and not set(line) <= {"-"} and not line.startswith("- ")]
+    named = [line for line in lines if "Unsupported op" in line]
+    return ((named or lines or [""])[0])[:160]
 
 
 def _first_value(state):
@@ -181,8 +220,8 @@ class _Probe:
         self.params, self.states, self.grads = [], {a: [] for a in layout.states}, []
         for i, shape in zip(self.chosen, self.shapes):
             dtype = np_dtype(layout.params[i].dtype)
-            self.params.append((rng.randn(*shape) * 0.5).astype(dtype))
-            self.grads.append([(rng.randn(*shape) * 10.0 ** rng.uniform(-2, 2, shape)).astype(dtype)
+            self.params.append(np.asarray(rng.randn(*shape) * 0.5, dtype))
+            self.grads.append([np.asarray(rng.randn(*shape) * 10.0 ** rng.uniform(-2, 2, shape), dtype)
                                for _ in range(STEPS)])
             for attr, states in layout.states.items():
                 s = states[i]

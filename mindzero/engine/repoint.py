@@ -46,9 +46,9 @@ def new_states(layout: OptimizerLayout, updates, specs, op_rank: int, keep=None)
         updates: the :class:`~mindzero.core.optim_plan.Update` of each optimizer parameter.
         specs: the :class:`~mindzero.core.plan.ShardSpec` of each optimizer parameter (its full shape, its shard).
         op_rank: this rank's place in the op group (who owns what).
-        keep: ``None``, or ``keep(attr, index, state) -> Parameter``: what the optimizer holds for each new flat
-            element state, called as each is made (disk offload writes it out and returns a stand-in, so no more
-            than one state is in memory at a time).
+        keep: ``None``, or ``keep(attr, index, state) -> Parameter``: what the optimizer holds for each element
+            state of a flat or whole parameter, called as each is made (disk offload writes it out and returns a
+            stand-in, so no more than one state is in memory at a time).
 
     Each state is materialised (a lazy one: computed once, one tensor at a time) only where this rank keeps it.
     """
@@ -57,13 +57,13 @@ def new_states(layout: OptimizerLayout, updates, specs, op_rank: int, keep=None)
         made = []
         for i, (state, update, spec) in enumerate(zip(states, updates, specs)):
             own = [s for s in update.states if s.attr == attr][0]
-            if update.mode == FLAT and own.layout == ELEMENT:
-                shard = make_shard(state, spec, state.name, requires_grad=False)
-                made.append(keep(attr, i, shard) if keep else shard)
-            elif update.mode == OWNER and not update.owned_by(op_rank):
-                made.append(stand_in(state.name, placeholder_shape(spec.shape, state.shape), state.dtype))
-            else:
-                made.append(materialize(state))
+            if update.mode == OWNER:
+                made.append(materialize(state) if update.owned_by(op_rank) else
+                            stand_in(state.name, placeholder_shape(spec.shape, state.shape), state.dtype))
+                continue
+            value = make_shard(state, spec, state.name, requires_grad=False) if update.mode == FLAT and \
+                own.layout == ELEMENT else materialize(state)
+            made.append(keep(attr, i, value) if keep and own.layout == ELEMENT else value)
         out[attr] = made
     return out
 

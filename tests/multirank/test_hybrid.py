@@ -55,6 +55,16 @@ def test_hybrid_equals_plain_data_parallel(res, model, stage):
                         f"{model} hybrid stage {stage} vs DP over 4 ranks, rank {r}")
 
 
+@scenarios(lambda stage: [f"came-h{stage}", "came-dp"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_owner_mode_inside_op_groups_equals_plain_data_parallel(res, stage):
+    """mindone's CAME under hybrid sharding: each op group has its owners (the same op ranks in both replicas),
+    each owner's broadcast reaches its own op group only (CPU: a world all-gather keeping the owner's row); the run
+    equals plain data parallel over the 4 ranks."""
+    for r in range(N):
+        assert_same_run(res.load(r, f"came-h{stage}"), res.load(r, "came-dp"), f"came hybrid stage {stage}, rank {r}")
+
+
 def test_hybrid_gather_units_equal_per_parameter_gathers(res):
     """gather_units under hybrid sharding (CPU: the world all-gather of a unit, the op group's rows kept) trains
     bit for bit as gathering each parameter alone."""

@@ -15,7 +15,7 @@ from tests.support.compare import (LOSS_NOISE, ON_CPU, RTOL, RTOL_FP16, RTOL_FP1
                                    assert_parity_checks, assert_same_run, rel_err)
 from tests.support.models import PARITY_MODELS
 from tests.support.release import RELEASE_OPTIMIZERS
-from tests.support.scenarios import AUTO_AMP_MODELS, PERSISTS, UNITS, parity_scenarios
+from tests.support.scenarios import AUTO_AMP_MODELS, OWNER_FEATURES, PERSISTS, UNITS, parity_scenarios
 from tests.support.tier import Launch, full_tier, worker_args
 
 from . import WORKERS
@@ -608,3 +608,24 @@ def test_gpu_ascend_path_accumulation_equals_plain_data_parallel(run):
         assert not got["emulated"]
         assert rel_err(got["losses"].reshape(-1, 4).mean(axis=1), dp["losses"]) <= RTOL
         assert_same_run(got, cpu, f"real-accum-2 vs accum-2 rank {r}", rtol=0.0)
+
+
+@scenarios(lambda name, stage: [f"{name}-{stage}", f"{name}-0", "came-dp"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", list(OWNER_FEATURES))
+def test_owner_mode_with_every_feature_equals_stage_0(run, name, stage):
+    """mindone's CAME (every sharded parameter updated whole on its owner rank) on the mixed net: plain, with
+    clipping, a forced overflow (skipped on every rank), gradient accumulation, param_dtype (fp16 parameters, fp32
+    masters on the owners) and an EMA: each stage trains as stage 0 (fp32: bit for bit; fp16: within its rounding),
+    and stage 0 as plain data parallel."""
+    n, res = run
+    fp16 = name == "came-mp"
+    for r in range(n):
+        got, ref = res.load(r, f"{name}-{stage}"), res.load(r, f"{name}-0")
+        assert_same_run(got, ref, f"{name} stage {stage} rank {r}", rtol=RTOL_FP16 if fp16 else 0,
+                        overflow=res.scenario(f"{name}-{stage}").force_overflow)
+        if res.scenario(f"{name}-{stage}").force_overflow:
+            assert got["overflows"].tolist() == [i == 4 for i in range(10)], (r, got["overflows"])
+    if name == "came":
+        for r in range(n):
+            assert_same_run(res.load(r, "came-0"), res.load(r, "came-dp"), f"came stage 0 vs plain DP rank {r}")

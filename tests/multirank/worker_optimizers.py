@@ -6,6 +6,7 @@ Each rank writes ``<out>/rank_<r>/<case>-<stage>.npz`` (losses, final full param
 owner), ``contract.json``, ``mismatch.json``, and ``<out>/rank_<r>.done``.
 """
 import argparse
+import contextlib
 import json
 import sys
 
@@ -14,17 +15,19 @@ import mindspore as ms
 from mindspore import nn
 
 import mindzero
-from tests.support.optimizers import CASES, OptNet, build, stages_for
+from tests.support.optimizers import BY_NAME, CASES, OptNet, build, stages_for
 from tests.support.tier import add_worker_flag
 from tests.support.worker import ReferenceStep, start
 
 STEPS = 4
 
 
-def train(case, stage, world, steps=STEPS):
-    """``case``'s optimizer on OptNet: plain data parallel (``stage="dp"``) or mindzero at ``stage``."""
-    net = build()
-    opt = case.make(net.trainable_params())
+def train(case, stage, world, steps=STEPS, lazy=False):
+    """``case``'s optimizer on OptNet: plain data parallel (``stage="dp"``) or mindzero at ``stage`` (``lazy``: the
+    network and optimizer built under ``mindzero.lazy_init``)."""
+    with mindzero.lazy_init() if lazy else contextlib.nullcontext():
+        net = build()
+        opt = case.make(net.trainable_params())
     if stage == "dp":
         net.set_train()
         step = ReferenceStep(net, opt) if case.torch_style else nn.TrainOneStepCell(net, opt)
@@ -52,14 +55,15 @@ def train(case, stage, world, steps=STEPS):
 def contract(world, out_dir):
     """Stages 0-2 keep the user's network: the same Parameter objects (names, shapes); MindSpore's own
     ``save_checkpoint`` of the network writes plain data parallel's values; ``load_checkpoint`` into the network
-    (the initial weights, after two steps) then trains on exactly as plain data parallel does."""
+    (the initial weights, after two steps) then trains on exactly as plain data parallel does. Stage 3 (shards by
+    design) takes the same weights with ``mindzero.load_pretrained`` and trains on as plain data parallel."""
     from tests.support.optimizers import BY_NAME
 
     result = {}
     first = out_dir / "initial.ckpt"
     for kind in ("nn.AdamWeightDecay", "mindone.CAME"):
         case = BY_NAME[kind]
-        for stage in ("dp", 0, 1, 2):
+        for stage in ("dp", 0, 1, 2, 3):
             net = build()
             before = [(id(p), p.name, tuple(p.shape)) for p in net.trainable_params()]
             if stage == "dp" and kind == "nn.AdamWeightDecay":
@@ -73,16 +77,22 @@ def contract(world, out_dir):
             for s in range(2):
                 out = step(*OptNet.batch(s, world.world_rank))
                 losses.append(float((out if stage == "dp" else out[0]).asnumpy()))
-            saved = out_dir / f"network-{kind}-{stage}.ckpt"
-            ms.save_checkpoint(step.network if stage != "dp" else net, str(saved))
-            ms.load_checkpoint(str(first), net=step.network if stage != "dp" else net)  # start again from them
+            if stage == 3:
+                file = {k: v.tolist() for k, v in mindzero.gather_full_state_dict(step).items()}
+                mindzero.load_pretrained(step, str(first))
+            else:
+                saved = out_dir / f"network-{kind}-{stage}.ckpt"
+                ms.save_checkpoint(step.network if stage != "dp" else net, str(saved))
+                ms.load_checkpoint(str(first), net=step.network if stage != "dp" else net)  # start again from them
+                file = {k: v.asnumpy().tolist() for k, v in ms.load_checkpoint(str(saved)).items()}
             for s in range(2, 5):
                 out = step(*OptNet.batch(s, world.world_rank))
                 losses.append(float((out if stage == "dp" else out[0]).asnumpy()))
-            file = {k: v.asnumpy().tolist() for k, v in ms.load_checkpoint(str(saved)).items()}
+            final = mindzero.gather_full_state_dict(step) if stage == 3 else \
+                {p.name: p.asnumpy() for p in net.trainable_params()}
             result[f"{kind}/{stage}"] = dict(same_objects=before == after and after == [
                 (id(p), p.name, tuple(p.shape)) for p in net.trainable_params()], losses=losses, saved=file,
-                final={p.name: p.asnumpy().tolist() for p in net.trainable_params()})
+                final={k: v.tolist() for k, v in final.items()})
     (out_dir / "contract.json").write_text(json.dumps(result))
 
 
@@ -116,6 +126,9 @@ def main():
         for stage in ("dp", *stages_for(case, worker.args.full_tier)):
             np.savez(out_dir / f"{case.name}-{stage}.npz", **train(case, stage, world))
         print(f"optimizer {case.name}: done", flush=True)
+    # owner mode under lazy_init: the network and optimizer built unmaterialised, each rank keeping its shards and
+    # the states it owns (tests/multirank/test_sharded_init.py does this for flat optimizers)
+    np.savez(out_dir / "mindone.CAME-lazy-3.npz", **train(BY_NAME["mindone.CAME"], 3, world, lazy=True))
     worker.finish()
 
 

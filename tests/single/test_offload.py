@@ -166,6 +166,25 @@ def test_refusals_come_before_training_and_name_the_directory(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_optimizers_it_cannot_stream_are_refused_naming_the_rule(tmp_path):
+    """Disk offload streams flat parameters' states shaped as their parameters through views of the optimizer:
+    an owner-mode optimizer (mindone's CAME), a per-parameter scalar state (ASGD's ``eta``) and a per-parameter
+    attribute mindzero does not know (mindone Muon's ``use_muon``) are refused before any file exists."""
+    from tests.support.optimizers import build as opt_net, came, muon
+
+    for make, rule in ((came, r"optimizer_offload='disk' streams optimizers that update each element from that "
+                              r"element alone; CAME updates parameter 'inp.weight' whole on an owner rank"),
+                       (lambda ps: nn.ASGD(ps, 0.01), r"streams states shaped as their parameters; ASGD keeps "
+                                                     r"'mu' of shape \(\) for parameter 'inp.weight'"),
+                       (muon, r"streams optimizers that update each element from that element alone; Muon updates "
+                              r"parameter 'inp.weight' whole")):
+        net = opt_net()
+        with pytest.raises(ValueError, match=rule):
+            mindzero.prepare_train_network(net, make(net.trainable_params()), zero_stage=2, optimizer_offload="disk",
+                                           offload_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_file_is_removed_unless_kept_and_a_dead_process_file_is_cleared(tmp_path):
     _, _, step = train("adamw", 3, steps=1, optimizer_offload="disk", offload_dir=str(tmp_path))
     path = step.zero_info.offload.file.path

@@ -100,8 +100,8 @@ def test_register_overrides_the_probe_both_ways():
         mindzero.register_elementwise_optimizer(nn.AdaFactor, True)
         net = StackNet()
         with pytest.raises(ValueError, match=r"optimizer AdaFactor is registered element-wise, but its state "
-                                             r"'exp_avg_sq' of parameter 'layers.0.weight' has shape \(1,\), not "
-                                             r"the parameter's \(48, 48\): it cannot be sharded flat"):
+                                             r"'exp_avg_sq_col' of parameter 'layers.0.weight' has shape \(48,\), "
+                                             r"not the parameter's \(48, 48\): it cannot be sharded flat"):
             mindzero.prepare_train_network(net, nn.AdaFactor(net.trainable_params()), zero_stage=1)
     finally:
         _REGISTERED.pop(nn.SGD, None)
@@ -160,15 +160,29 @@ def test_a_probe_that_cannot_run_decides_owner_mode():
     for any optimizer, with the reason."""
     class Fussy(nn.SGD):
         def construct(self, gradients):
-            if gradients[0].shape[0] == 5:  # the probe's matrix: no such parameter in the network
+            if gradients[1].shape[0] == 768:  # a third of a 48 x 48 matrix: a piece of the probe, not a parameter
                 raise ValueError("not this shape")
             return super().construct(gradients)
 
     net = StackNet()
     step = mindzero.prepare_train_network(net, Fussy(net.trainable_params(), 0.1), zero_stage=1)
     updates = step.zero_info.updates
-    assert all(u.mode == "owner" for u in updates if len(step.zero_info.params[0].spec.shape) == 2)
-    assert "the element-wise probe could not run (ValueError: not this shape)" in updates[0].why
+    assert {u.mode for u in updates} == {"owner"}
+    assert "the element-wise probe could not run (ValueError: " in updates[0].why and "not this shape" in updates[0].why
+
+
+def test_a_verdict_is_reused_for_the_same_optimizer_and_redone_for_another(monkeypatch):
+    """The probe's verdicts are kept for the process: preparing the same optimizer (class, hyper-parameters,
+    parameters alike) again compiles no probe; another learning rate probes again."""
+    from mindzero.engine import probe
+
+    runs = []
+    real = probe._run_probe
+    monkeypatch.setattr(probe, "_run_probe", lambda *a: runs.append(1) or real(*a))
+    for lr in (0.125, 0.125, 0.25):
+        net = StackNet()
+        mindzero.prepare_train_network(net, nn.Momentum(net.trainable_params(), lr, 0.9), zero_stage=1)
+    assert len(runs) == 2
 
 
 def test_a_wrapping_optimizer_is_refused_naming_the_rule():

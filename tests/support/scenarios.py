@@ -115,6 +115,28 @@ PERSISTS = [*(Scenario(f"persist-gpt-{stage}", "gpt", "sgd_decay", stage, PERSIS
                      tier=FULL, reference="mp-mixed-3")]
 
 
+#: owner mode (mindone's CAME: factored statistics and an RMS clip, so every sharded parameter is updated whole on
+#: one owner rank) on the mixed net (an fp16 cell, a recompute block, a replicated bias) with each feature of the step;
+#: each row equals its stage-0 twin (``<name>-0``), plain DP is ``came-dp``
+OWNER_FEATURES = {"came": {}, "came-clip": CLIP, "came-overflow": {"scale_sense": DYNAMIC},
+                  "came-accum": {"gradient_accumulation_steps": 4}, "came-mp": FP16, "came-ema": EMA}
+OWNER_DEFAULT = {"came": (1, 2, 3), "came-clip": (3,), "came-overflow": (2,), "came-accum": (2,), "came-mp": (1, 3),
+                 "came-ema": (3,)}
+
+
+def owner_scenarios(full: bool) -> list:
+    """The owner-mode rows of the parity launch: every feature at stages 0-3 (2 ranks; 4 ranks: stages 0 and 3),
+    the default suite's (:data:`OWNER_DEFAULT`) and their stage-0 twins in the default tier."""
+    out = [Scenario("came-dp", "mixed", "came", "dp")]
+    for name, settings in OWNER_FEATURES.items():
+        for stage in (0, 1, 2, 3) if full else (0, 3):
+            default = stage == 0 or stage in OWNER_DEFAULT[name]
+            out.append(Scenario(f"{name}-{stage}", "mixed", "came", stage, settings,
+                                force_overflow=name in ("came-overflow", "came-mp"),
+                                tier=DEFAULT if default else FULL))
+    return out
+
+
 def in_tier(scenarios, full_tier: bool) -> list:
     """The scenarios a tier runs: every one in the full tier, the ``"default"`` ones in the default suite."""
     return [s for s in scenarios if full_tier or s.tier == DEFAULT]
@@ -201,6 +223,7 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
         out.append(Scenario(f"mint-adam-{stage}", "mixed", "mint_adam", stage))
         out.append(Scenario(f"mint-sgd-{stage}", "gpt", "mint_sgd", stage,
                             {**CLIP, "gradient_accumulation_steps": 2}))
+    out += owner_scenarios(full)
     names = {s.name for s in out}
     # 4 ranks: the default tier's rows whose reference runs there (real-3 is not in the reduced matrix)
     out += [u for u in UNITS + PERSISTS if u.reference in names and (full or u.tier == DEFAULT)]
@@ -231,6 +254,10 @@ def hybrid_scenarios(full_tier: bool = True) -> list:
     out.append(Scenario("mp-flat0", "gpt", "sgd_decay", 0, FP16))
     out.append(Scenario("mp-h3", "gpt", "sgd_decay", 3, {**HYBRID, **FP16}))  # param_dtype=float16 inside the op groups
     out.append(Scenario("units-h3", "gpt", "sgd_decay", 3, {**HYBRID, "gather_units": "block"}, reference="gpt-h3"))
+    # owner mode inside the op groups (an owner per op group; the broadcast emulated on CPU): mindone's CAME
+    out.append(Scenario("came-dp", "mixed", "came", "dp"))
+    out += [Scenario(f"came-h{stage}", "mixed", "came", stage, HYBRID, tier=FULL if stage == 1 else DEFAULT)
+            for stage in (1, 2, 3)]
     out.append(Scenario("persist-h3", "gpt", "sgd_decay", 3, {**HYBRID, **PERSIST}, reference="gpt-h3"))
     for stage in (1, 2, 3):  # the GPU/Ascend path: op-group ReduceScatter + dp-group AllReduce, CPU-legal
         for fused in (False, True):
