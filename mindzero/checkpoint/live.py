@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
-from mindspore import Tensor
+from mindspore import Parameter, Tensor, ops
 
 from ..comm.backends import backend_of
 from ..comm.cells import Barrier
@@ -121,10 +121,22 @@ def load_checkpoint(train_net, ckpt_dir):
         raise CheckpointError(f"{ckpt_dir}: {failed} other rank(s) could not load their part (their logs say "
                               "why); nothing was loaded")
     for _, p, value in values:
-        p.set_data(Tensor(value, p.dtype))
+        write_value(p, value)
     for buf in info.accum_buffers:
-        buf.set_data(Tensor(np.zeros(buf.shape, np.float32), buf.dtype))
+        write_value(buf, np.zeros(buf.shape, np.float32))
     return saved
+
+
+def write_value(param, value) -> None:
+    """``param := value`` (a numpy array of its size), in place: an assign kernel writes the memory the compiled
+    step uses. ``set_data`` rebinds the Parameter instead, and a step already compiled went on reading a
+    master's old memory (measured: an owner's full master loaded after two steps, at stage 3). A disk-offloaded
+    state (:class:`~mindzero.engine.offload.DiskState`) writes its file."""
+    tensor = Tensor(np.asarray(value).reshape(param.shape), param.dtype)
+    if isinstance(param, Parameter):
+        ops.assign(param, tensor)
+    else:
+        param.set_data(tensor)
 
 
 def _read_for_load(train_net, ckpt_dir) -> list:

@@ -8,13 +8,12 @@ import os
 from pathlib import Path
 
 import numpy as np
-from mindspore import Tensor
 
 from ..comm.cells import Barrier
 from ..core.plan import shard_array
 from ..core.state import GATHER
 from .directory import CheckpointError
-from .live import iter_full_tensors
+from .live import iter_full_tensors, write_value
 from .tensor_io import CheckpointFileError, np_dtype, open_reader, open_writer
 from .format import FORMATS
 
@@ -70,14 +69,14 @@ def load_pretrained(train_net, path, strict: bool = True, prefix: str = None) ->
         spec = info.plan[name]
         held = shard_array(full, spec) if stage3 and spec.sharded else full.reshape(spec.shape)
         param = params[name]
-        param.set_data(Tensor(held.astype(_np(param)).reshape(param.shape), param.dtype))
+        write_value(param, held.astype(_np(param)))
         ps = states.get(name)
         if ps is not None and ps.master is not None:  # the optimizer's master takes the file's values
             master = ps.master.master
             value = shard_array(full, spec) if ps.master.kind == GATHER else full if master.shape == spec.shape else held
-            master.set_data(Tensor(value.astype(_np(master)).reshape(master.shape), master.dtype))
+            write_value(master, value.astype(_np(master)))
         if name in emas:
-            emas[name].set_data(Tensor(held.astype(_np(emas[name])).reshape(emas[name].shape), emas[name].dtype))
+            write_value(emas[name], held.astype(_np(emas[name])))
     return report
 
 
