@@ -4,7 +4,7 @@ One process per kernel (graph mode, CPU): a graph that applies the kernel to 16M
 fp32 or int32) and sums the result, compiled and run once, glibc's free memory trimmed, run twice more; the
 table is the RSS after that minus the RSS of a graph that only sums (`none`). An output-sized kernel costs
 about 64 MiB (its output in the memory pool); anything above is the kernel's own memory (index tables).
-Measured for issue 24's quantized gather, whose first version held 6.9 GiB a rank on a 35M-parameter GPT.
+Written for the quantized gather, whose first version held 6.9 GiB a rank on a 35M-parameter GPT.
 
     .venv/bin/python benchmarks/cpu_kernel_memory.py [--out runs/cpu_kernel_memory]
 """

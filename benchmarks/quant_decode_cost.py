@@ -8,7 +8,7 @@ One process per wire (a fresh process each: RSS and compile caches are per proce
 ``--weights`` weights of ``rows x cols`` fp32, each read once through the path, in graph mode, forward only.
 Prints and writes ``results.json``: time to the first call (compile + run), a later call, the peak RSS above the
 RSS before building, and the kernels in the compiled graph (``MS_DEV_SAVE_GRAPHS``' executed graph, counted
-per primitive kind). No collective runs: the difference is the kernels the wire needs (issue 38, item 4).
+per primitive kind). No collective runs: the difference is the kernels the wire needs.
 """
 import argparse
 import json

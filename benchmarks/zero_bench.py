@@ -21,7 +21,7 @@ Per configuration and world size (rank 0's numbers; every rank's are in the JSON
 * time to first step (compile and one step) and the median steady step, as ratios to DP's;
 * collectives and bytes per step per rank (the plan, ``zero_info.calls``).
 
-Writes ``results.json``, ``results.md`` (tables and the goals of issue 11) and ``zero_bench.png``,
+Writes ``results.json``, ``results.md`` (tables and the goals) and ``zero_bench.png``,
 ``zero_bench_timeline.png`` under ``--out``. Workers run under ``MALLOC_MMAP_THRESHOLD_=1048576`` (set
 by ``mindzero.launch.local``): freed large buffers go back to the OS, so RSS measures what is live.
 """
@@ -43,11 +43,11 @@ from zero_bench_worker import add_model_args, model_args  # noqa: E402
 MIB = 2 ** 20
 NAMES = {"dp": "plain DP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3",
          "2bfs": "stage 2, default order", "3bfs": "stage 3, default order",  # bfs: before the depth-first compile
-         "3q": "stage 3, int8 gathers", "3h": "stage 3, fp16 reduction", "3qh": "stage 3, int8 + fp16",  # issue 24
+         "3q": "stage 3, int8 gathers", "3h": "stage 3, fp16 reduction", "3qh": "stage 3, int8 + fp16",
          "3u": "stage 3, a gather per block", "3uh": "stage 3, per block + fp16", "3quh": "stage 3, all three",
-         "3p": "stage 3, small kept whole", "3qhp": "stage 3, int8 + fp16 + small kept whole",  # issue 38
+         "3p": "stage 3, small kept whole", "3qhp": "stage 3, int8 + fp16 + small kept whole",
          "3quhp": "stage 3, all three + small kept whole",
-         "1d": "stage 1, states on disk", "2d": "stage 2, states on disk", "3d": "stage 3, states on disk",  # issue 37
+         "1d": "stage 1, states on disk", "2d": "stage 2, states on disk", "3d": "stage 3, states on disk",
          "3pd": "stage 3, small kept whole, states on disk",
          "1o": "stage 1, owned whole", "2o": "stage 2, owned whole", "3o": "stage 3, owned whole"}
 PHASES = ("init", "build", "prepare", "first_step", "steady")
@@ -135,7 +135,7 @@ def goals(rows) -> list:
                 below = dp["peak_above_init_mib"] - sel[s]["peak_above_init_mib"]
                 out.append((f"{w} ranks: stage {s} below plain DP by at least the {saved:.0f} MiB of optimizer "
                             "states it saves", f"{below:.0f} MiB below", below >= saved))
-        if "1" in sel and "2" in sel:  # issue 23: stage 2 frees each full gradient at its reduction
+        if "1" in sel and "2" in sel:  # stage 2 frees each full gradient at its reduction
             half_grads = 4 * dp["phi"] / 2 / MIB
             below = sel["1"]["peak_above_init_mib"] - sel["2"]["peak_above_init_mib"]
             out.append((f"{w} ranks: stage 2 peak below stage 1's by at least half the full gradient bytes "
@@ -147,7 +147,7 @@ def goals(rows) -> list:
             if c in sel:
                 out.append((f"{w} ranks: {NAMES[c]} time to first step at most 1.3x plain DP's",
                             f"{sel[c]['first_step_ratio']:.2f}x", sel[c]["first_step_ratio"] <= 1.3))
-        if "3qh" in sel:  # issue 24
+        if "3qh" in sel:
             out.append((f"{w} ranks: stage 3 with int8 gathers and fp16 reduction at most 1.0x plain DP's steady "
                         "step", f"{sel['3qh']['step_ratio']:.2f}x", sel["3qh"]["step_ratio"] <= 1.0))
         for s in ("1", "2", "3"):  # owner mode against flat sharding of the same optimizer

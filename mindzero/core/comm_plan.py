@@ -31,6 +31,10 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 # stage 3's persistent parameters (below stage3_param_persistence_threshold) are all-reduced together in buckets of
 # this many bytes when comm_fusion sets no allreduce bucket: small tensors, one call where there were one each
 PERSISTENT_BUCKET_BYTES = 32 * 2 ** 20
+# an owner's updated parameters are broadcast in buckets of at most this many bytes (comm_fusion's allgather bucket
+# where it sets one): a bucket is concatenated on the owner and received whole on the others, so one bucket of
+# everything an owner holds would put 2-3 copies of 1/N of the model on every rank at once
+BROADCAST_BUCKET_BYTES = 32 * 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -132,8 +136,9 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig, widens: bool
     gradient) at the boundary, stage 3's persistent parameters in fused buckets whatever ``comm_fusion`` says
     (:data:`PERSISTENT_BUCKET_BYTES`). Then the update: stages 1-2 all-gather the updated flat master shards;
     an owner-mode parameter's reduced gradient shard is all-gathered (its owner updates it whole: ``widens``, the
-    gradients are fp32 by then), and its updated value broadcast from its owner, one broadcast per owner and dtype
-    (at stage 3 every rank keeps its shard of it). Buckets follow ``comm_fusion`` (one tensor each without it).
+    gradients are fp32 by then), and its updated value broadcast from its owner, in buckets per owner and dtype of
+    at most :data:`BROADCAST_BUCKET_BYTES` (at stage 3 every rank keeps its shard of it). The other buckets follow
+    ``comm_fusion`` (one tensor each without it).
     """
     def units(positions, kind, fusion_kind, held=False, bucket_bytes=None):
         specs = [params[i].spec if held else params[i].reduce_spec for i in positions]
@@ -163,7 +168,9 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig, widens: bool
         mine = [i for i in owned if params[i].update.owner == root]
         for dtype in dict.fromkeys(params[i].spec.dtype for i in mine):
             same = [i for i in mine if params[i].spec.dtype == dtype]
-            broadcasts.append(CommBucket(tuple(same), BROADCAST_FROM, tuple(params[i].spec for i in same), root))
+            size = fusion.bucket_bytes("allgather") or BROADCAST_BUCKET_BYTES
+            broadcasts += [CommBucket(tuple(same[j] for j in b), BROADCAST_FROM, tuple(params[same[j]].spec for j in b),
+                                      root) for b in spec_buckets([params[i].spec for i in same], size)]
     return micro, boundary, gather, owner_grads, tuple(broadcasts)
 
 

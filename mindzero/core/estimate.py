@@ -213,7 +213,7 @@ def main(argv=None) -> int:
           "formula MiB |" + disk_head)
     print("|---|---|---|---|---|---|---|---|---|" + "---|" * (3 if a.disk else 0))
     names = {0: "16Φ", 1: "4Φ+12Φ/N", 2: "2Φ+14Φ/N", 3: "16Φ/N"} if a.mixed_precision else \
-        {0: "16Φ", 1: "8Φ+8Φ/N", 2: "4Φ+16Φ/N", 3: "16Φ/N"}
+        {0: "16Φ", 1: "8Φ+12Φ/N", 2: "4Φ+16Φ/N", 3: "16Φ/N"}
     mib = 2 ** 20
     for n in (int(x) for x in a.op_sizes.split(",")):
         for stage in (int(x) for x in a.stages.split(",")):

@@ -1,6 +1,6 @@
 """A shaped link for local launches (pure): the ranks run in a private network namespace whose loopback is
 limited to a rate (and optionally delayed), so this machine can be put in the link-bound regime of an
-accelerator cluster (issue 38; docs/launch.md, "A shaped link").
+accelerator cluster (docs/launch.md, "A shaped link").
 
 [Note: the shaped-link model] One namespace is made per launch (:class:`LinkNamespace`: a holder process made by
 ``unshare -n`` that sleeps; every launcher command joins it with ``nsenter``). Its loopback is brought up and

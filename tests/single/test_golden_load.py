@@ -1,4 +1,4 @@
-"""Golden checkpoints (tests/data/golden, written on 4 ranks by mindzero before the package layout of issue 22)
+"""Golden checkpoints (tests/data/golden, written on 4 ranks by mindzero before the package layout of mindzero/core, engine, checkpoint)
 load into a train step of today's code in one process (another world size: the resume-anywhere rule), and
 saving it again gives back every tensor the old code wrote."""
 import json

@@ -206,8 +206,8 @@ OPTIMIZERS = {
     "adamw": lambda ps: nn.AdamWeightDecay(ps, 1e-2, weight_decay=0.05),
     "adam": lambda ps: nn.Adam(ps, 1e-2),
     "sgd": lambda ps: nn.SGD(ps, 0.1, momentum=0.9),
-    # with weight decay, stage 0 and nn.TrainOneStepCell differ in the last bit of a few elements (seen before
-    # issue 22 too): the multi-rank parity runs (1e-5) use it, the one-process tests (bit for bit) do not
+    # with weight decay, stage 0 and nn.TrainOneStepCell differ in the last bit of a few elements (seen with
+    # every layout of the package): the multi-rank parity runs (1e-5) use it, the one-process tests (bit for bit) do not
     "sgd_decay": lambda ps: nn.SGD(ps, 0.1, momentum=0.9, weight_decay=1e-4),
     "momentum": lambda ps: nn.Momentum(ps, 0.05, 0.9),
     # MindSpore's torch-style optimizers: Adam with AMSGrad, two groups (decay first: the group order is the

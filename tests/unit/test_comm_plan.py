@@ -99,3 +99,29 @@ def test_fusion_cuts_calls_not_bytes():
     # a 1 MiB bucket: the 4 MB matrix alone, the two small tensors together
     small = _traffic(0, 4, False, FusionConfig(allreduce=MIB))[1]
     assert small["all_reduce"]["calls"] == 2 + 1
+
+
+def test_owner_broadcasts_are_bucketed_per_owner_and_dtype_and_bounded():
+    """Owner mode's write-back: each owner's updated parameters travel in buckets of at most
+    BROADCAST_BUCKET_BYTES (comm_fusion's allgather size where it sets one), never one bucket of all it owns."""
+    from mindzero.core.comm_plan import BROADCAST_BUCKET_BYTES, step_buckets
+    from mindzero.core.optim_plan import FLAT, OWNER, Update
+    from mindzero.core.state import BROADCAST_FROM, ParamState
+
+    side = 2048  # a 16 MiB fp32 matrix
+    infos = [ParamInfo(f"w{i}", (side, side), "float16" if i == 5 else "float32") for i in range(6)]
+    infos.append(ParamInfo("bias", (7,)))
+    plan = PartitionPlan.build(infos, 2, 0)
+    owners = [0, 1, 0, 0, 1, 0, None]
+    params = tuple(ParamState(s.name, None, s, s, True, update=Update(FLAT) if o is None else Update(OWNER, o))
+                   for s, o in zip(plan, owners))
+    policy = ZeroConfig(1, 1, False).policy
+    *_, owner_grads, broadcasts = step_buckets(params, policy, FusionConfig())
+    assert [b.positions for b in owner_grads] == [(i,) for i in range(6)]
+    assert all(b.kind == BROADCAST_FROM for b in broadcasts)
+    # owner 0: w0, w2 (32 MiB: one bucket), w3 (alone), w5 (float16: a bucket of its own); owner 1: w1, w4
+    assert [(b.root, b.positions) for b in broadcasts] == [(0, (0, 2)), (0, (3,)), (0, (5,)), (1, (1, 4))]
+    assert all(sum(s.numel * s.itemsize for s in b.specs) <= BROADCAST_BUCKET_BYTES for b in broadcasts)
+    *_, broadcasts = step_buckets(params, policy, FusionConfig(allgather=16 * MIB))
+    assert [(b.root, b.positions) for b in broadcasts] == [(0, (0,)), (0, (2,)), (0, (3,)), (0, (5,)), (1, (1,)),
+                                                           (1, (4,))]

@@ -1,4 +1,4 @@
-"""Golden checkpoints (tests/data/golden, written by mindzero before the package layout of issue 22): they
+"""Golden checkpoints (tests/data/golden, written by mindzero before the package layout of mindzero/core, engine, checkpoint): they
 stay readable by today's offline tools. Pure: no MindSpore."""
 import json
 from pathlib import Path

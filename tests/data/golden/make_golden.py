@@ -1,7 +1,7 @@
 """Write the golden checkpoints (tests/data/golden/<case>/): small mindzero checkpoints kept as test data,
 so that checkpoints written by earlier code stay readable (load, merge, reshard, verify) after the code moves.
 
-Written once, by mindzero at commit c9a38b7 (before the package layout of issue 22), on 4 CPU ranks:
+Written once, by mindzero at commit c9a38b7 (before the package layout of mindzero/core, engine, checkpoint), on 4 CPU ranks:
     python -m mindzero.launch.local -n 4 --out /tmp/golden tests/data/golden/make_golden.py --dest tests/data/golden
 Each case trains 2 steps and saves; ``expected.npz`` holds what that code read back: the full parameters
 (``param/<name>``, ``gather_full_state_dict``), the fp32 masters of a param_dtype run (``master/<name>``) and every
