@@ -13,7 +13,7 @@ import numpy as np
 
 from .compare import load_npz, rel_err
 from .models import PARITY_MODELS
-from .scenarios import AUTO_AMP_MODELS
+from .scenarios import AUTO_AMP_MODELS, OWNER_FEATURES
 
 
 def comparisons() -> list:
@@ -34,6 +34,9 @@ def comparisons() -> list:
         rows.append((f"fp16 (converted by mindzero) {model} stage 0 vs fp32, 20 steps: losses", f"auto-{model}-0",
                      f"auto32-{model}-0"))
     rows.append(("fp16, backbone converted by the user, mlp stage 3 vs 0", "partial-mlp-3", "partial-mlp-0"))
+    rows.append(("owner mode (CAME) stage 0 vs DP", "came-0", "came-dp"))
+    for name in OWNER_FEATURES:  # mindone's CAME: every sharded parameter updated whole on its owner rank
+        rows += [(f"owner mode ({name}) stage {s} vs stage 0", f"{name}-{s}", f"{name}-0") for s in (1, 2, 3)]
     return rows
 
 
