@@ -12,5 +12,5 @@ setup(
                                       "mindzero-reshard=mindzero.checkpoint.cli:main_reshard",
                                       "mindzero-verify=mindzero.checkpoint.cli:main_verify",
                                       "mindzero-estimate=mindzero.core.estimate:main",
-                                      "mindzero-plan=mindzero.engine.fit:main"]},
+                                      "mindzero-plan=mindzero.planner.cli:main"]},
 )

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/fit_accuracy.py [--worlds 2,4] [--models gpt256,gpt512,vit] [--out runs/fit_accuracy]
 
-For each network and world size, one :class:`mindzero.engine.fit.Planner` rehearses the replicas every
+For each network and world size, one :class:`mindzero.planner.planner.Planner` rehearses the replicas every
 configuration needs (as ``mindzero-plan`` does: two depths at the sample's batch per configuration, the batch
 terms from stage 0 at a second batch), then each configuration is launched for real (msrun, ``benchmarks/
 fit_worker.py``: the network built under ``lazy_init``, three steps) and its peak RSS above the RSS right before
@@ -89,7 +89,7 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--reuse", action="store_true", help="reuse the measured launches under --out (predict again)")
     a = ap.parse_args(argv)
-    from mindzero.engine.fit import Planner
+    from mindzero.planner.planner import Planner
 
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--margin", type=float, default=0.0, help="mindzero-plan's margin (0: the prediction itself)")
     a = ap.parse_args(argv)
-    from mindzero.engine.fit import plan
+    from mindzero.planner.planner import plan
 
     ladder = json.loads(Path(a.ladder).read_text())
     args = ladder["args"]

@@ -34,12 +34,13 @@ def main():
 
     import mindzero
     from mindzero.core.host import reset_peak, status_kib
-    from mindzero.engine.fit import _batch, build, load_factory
+    from mindzero.planner.factory import build, load_factory
+    from mindzero.planner.rehearse import example_batch
 
     world = mindzero.start_data_parallel()
     ms.set_seed(0)
     load_factory(spec["factory"])
-    inputs = [Tensor(x) for x in _batch(spec["sample"], spec["batch"], seed=world.world_rank)]
+    inputs = [Tensor(x) for x in example_batch(spec["sample"], spec["batch"], seed=world.world_rank)]
     rss0 = status_kib("VmRSS")
     reset_peak()
     t = time.perf_counter()

@@ -11,8 +11,9 @@ once; the names that need MindSpore on first use.
 """
 import importlib
 
-from .core.config import (STAGES, CheckpointOptions, EmaPolicy, GroupPolicy, LossScale,  # noqa: F401 (public)
-                          MixedPrecision, StagePolicy, ZeroConfig, stage_policy)
+from .core.config import (STAGES, EmaPolicy, GroupPolicy, LossScale, MixedPrecision,  # noqa: F401 (public)
+                          StagePolicy, ZeroConfig, stage_policy)
+from .core.options import CheckpointOptions  # noqa: F401 (public)
 from .core.estimate import estimate_memory  # noqa: F401
 from .core.host import release_host_memory  # noqa: F401
 from .core.memory import expected_bytes  # noqa: F401
@@ -47,8 +48,8 @@ _LAZY = {
     "MergeError": "mindzero.checkpoint.source",
     "create_hybrid_groups": "mindzero.comm.groups",
     "start_data_parallel": "mindzero.comm.start",
-    "predict_peak": "mindzero.engine.fit",
-    "plan": "mindzero.engine.fit",
+    "predict_peak": "mindzero.planner.planner",
+    "plan": "mindzero.planner.planner",
     "rehearse": "mindzero.comm.groups",
 }
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mindspore.train import Callback
 
-from ..core.config import CheckpointOptions
+from ..core.options import CheckpointOptions
 from ..core.options import merge_settings
 from ..core.settings import resolve_settings
 from ..comm.cells import Barrier

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..core.config import CHECKPOINT_FORMATS as FORMATS
+from ..core.options import CHECKPOINT_FORMATS as FORMATS
 from ..core.checks import is_int
 from ..core.config import stage_policy
 from ..core.plan import is_per_rank, valid_elements

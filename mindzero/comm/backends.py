@@ -25,7 +25,7 @@ broadcast from an op rank  ``Broadcast(world)``; hybrid: an     ``Broadcast(worl
 
 ``single`` (a world of one rank, no ``init()``): every collective is the identity, so one process runs
 every stage. ``rehearsal`` (:func:`mindzero.comm.groups.rehearse`): one process plays rank 0 of ``N`` to
-measure what a step costs (:mod:`mindzero.engine.fit`): CPU's code, with each world collective replaced by a
+measure what a step costs (:mod:`mindzero.planner`): CPU's code, with each world collective replaced by a
 local operation of the same shapes (an all-gather tiles this rank's tensor ``N`` times, a sum copies it), so
 the graph and its buffers are a rank's; the values are not training's. ``substitute`` (test-only, :func:`mindzero.comm.substitute_collectives`): the ``collectives``
 code on CPU, with only the group primitives CPU lacks replaced by CPU-legal functions of the same

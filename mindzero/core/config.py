@@ -12,7 +12,7 @@ the same for ``ZeroCheckpoint``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Optional
 
 from .checks import is_int, is_number, require_bool, require_int
@@ -466,39 +466,3 @@ def check_option(key: str, value) -> None:
 #: the other options while one is checked alone: the ones a value may need beside it (stage 3 for its options, an
 #: EMA for ``updates``, a loss scale for a 16-bit ``reduce_dtype``); the checked key overrides its own
 _CHECK_ALONE = {"zero_stage": 3, "ema": 0.5, "scale_sense": 2.0}
-
-
-CHECKPOINT_FORMATS = ("ckpt", "safetensors")
-
-
-@dataclass(frozen=True)
-class CheckpointOptions:
-    """How :class:`mindzero.ZeroCheckpoint` saves: into ``dir``, every ``save_every`` steps (``None``: at the
-    end only), keeping the newest ``keep`` (0: all), in ``format``, in the background (``async_save``).
-    Validated on construction; a settings file's ``checkpoint`` section has the same keys."""
-
-    dir: Optional[str] = None
-    save_every: Optional[int] = None
-    keep: int = 2
-    format: str = "ckpt"
-    async_save: bool = False
-
-    def __post_init__(self):
-        if self.dir is not None and (not isinstance(self.dir, str) or self.dir == ""):
-            raise ValueError(f"dir must be a non-empty path, got {self.dir!r}")
-        if self.save_every is not None and (not is_int(self.save_every) or self.save_every < 1):
-            raise ValueError(f"save_every must be None (save at the end only) or an int >= 1 (train steps), got "
-                             f"{self.save_every!r}")
-        require_int("keep", self.keep, 0)
-        if self.format not in CHECKPOINT_FORMATS:
-            raise ValueError(f"format must be one of {list(CHECKPOINT_FORMATS)}, got {self.format!r}")
-        require_bool("async_save", self.async_save)
-
-    @staticmethod
-    def keys() -> tuple:
-        return tuple(f.name for f in fields(CheckpointOptions))
-
-    def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.keys()}
-
-

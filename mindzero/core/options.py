@@ -1,10 +1,14 @@
 """The table of :func:`mindzero.prepare_train_network`'s options (pure Python): each written once, with its default,
 what it accepts and whether a settings file can hold it; and the one rule for an option given both as an argument
 and by a settings file. The parsers that enforce what each accepts are :mod:`mindzero.core.config`'s policies.
+:class:`mindzero.ZeroCheckpoint`'s options are :class:`CheckpointOptions` (the end of this module).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from .checks import is_int, require_bool, require_int
 
 
 @dataclass(frozen=True)
@@ -92,3 +96,39 @@ def merge_settings(explicit: dict, settings: dict, defaults: dict = None) -> dic
         raise ValueError(f"{k} is given both as an argument ({given[k]!r}) and in config ({settings[k]!r}); "
                          "give each setting once")
     return {**settings, **given}
+
+
+CHECKPOINT_FORMATS = ("ckpt", "safetensors")
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """How :class:`mindzero.ZeroCheckpoint` saves: into ``dir``, every ``save_every`` steps (``None``: at the
+    end only), keeping the newest ``keep`` (0: all), in ``format``, in the background (``async_save``).
+    Validated on construction; a settings file's ``checkpoint`` section has the same keys."""
+
+    dir: Optional[str] = None
+    save_every: Optional[int] = None
+    keep: int = 2
+    format: str = "ckpt"
+    async_save: bool = False
+
+    def __post_init__(self):
+        if self.dir is not None and (not isinstance(self.dir, str) or self.dir == ""):
+            raise ValueError(f"dir must be a non-empty path, got {self.dir!r}")
+        if self.save_every is not None and (not is_int(self.save_every) or self.save_every < 1):
+            raise ValueError(f"save_every must be None (save at the end only) or an int >= 1 (train steps), got "
+                             f"{self.save_every!r}")
+        require_int("keep", self.keep, 0)
+        if self.format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"format must be one of {list(CHECKPOINT_FORMATS)}, got {self.format!r}")
+        require_bool("async_save", self.async_save)
+
+    @staticmethod
+    def keys() -> tuple:
+        return tuple(f.name for f in fields(CheckpointOptions))
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.keys()}
+
+

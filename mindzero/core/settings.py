@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import CheckpointOptions, EmaPolicy, MixedPrecision, check_option
+from .config import EmaPolicy, MixedPrecision, check_option
+from .options import CheckpointOptions
 from .offload import OffloadPolicy
 from .options import ARGUMENT_DEFAULTS, NOT_IN_SETTINGS
 

@@ -53,17 +53,14 @@ import contextlib
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from ..comm.backends import backend_of
-from ..comm.cells import (AllGather, AllReduceSum, AnyRank, Bucket, FusedAllGather, FusedAllReduceSum,
-                          FusedReduceScatterSum, ReduceScatterSum)
-from ..core.optim_plan import OWNER, placeholder_shape
-from ..core.state import CAST, GATHER, REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
+from ..comm.cells import AllReduceSum, AnyRank, Bucket, FusedAllReduceSum, FusedReduceScatterSum, ReduceScatterSum
+from ..core.state import CAST, REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
 from ..core.topology import World
 from ..core.host import release_host_memory
-from .kernels import (MAP, accumulate, broadcast_input, broadcast_write, cast_to, depend_on, ema_update, finite,
-                      gather_unit, gather_write, norm_sq, owner_grad, reduce_grad, reduce_unit, refresh, route,
-                      scale_by, store, write_cast, zero_after)
+from .kernels import (MAP, accumulate, cast_to, depend_on, ema_update, finite, norm_sq, reduce_grad, reduce_unit,
+                      route, scale_by, store, zero_after)
 from .precision import explain_dtype_errors
+from .update import OwnerGradients, Refresh, WriteBack
 
 
 class _Keep(nn.Cell):
@@ -133,144 +130,6 @@ class Reduction(nn.Cell):
         reduced = MAP(ops.partial(reduce_unit, grads), self.reducers, self.positions, self.buckets)
         return MAP(ops.partial(route, grads, reduced, factor, self.scale, self.widen), self.indices, self.unit_of,
                     self.index_of)
-
-
-class GatherInto(nn.Cell):
-    """Stages 1-2: all-gather updated flat master shards, each written into its full network parameter (one
-    all-gather per ``comm_fusion`` bucket; per tensor without fusion). ``units``: the ``gather``
-    :class:`~mindzero.core.state.CommBucket` (positions in optimizer order); ``fulls`` / ``shards``: the
-    parameters and their master shards, one per optimizer position (``None`` where none is gathered)."""
-
-    def __init__(self, units, world: World, fulls, shards, token):
-        super().__init__(auto_prefix=False)
-        self.token = token
-        order = [i for u in units for i in u.positions]
-        at = {i: k for k, i in enumerate(order)}
-        self.fulls = ParameterTuple([fulls[i] for i in order])
-        self.shards = ParameterTuple([shards[i] for i in order])
-        self.positions = tuple(tuple(at[i] for i in u.positions) for u in units)
-        self.buckets = tuple(Bucket.of(u.specs) for u in units)
-        self.per_tensor = all(len(pos) == 1 for pos in self.positions)
-        self.gather = AllGather(world) if self.per_tensor else FusedAllGather(world)
-        self.gathers = (self.gather,) * (len(order) if self.per_tensor else len(units))  # mapped (kernels note)
-
-    def construct(self, after):
-        """Gather after ``after``; returns ``after`` made to depend on every write."""
-        if self.per_tensor:
-            done = MAP(ops.partial(gather_write, after, self.token), self.gathers, self.fulls, self.shards)
-        else:
-            done = MAP(ops.partial(gather_unit, after, self.token, self.fulls, self.shards), self.gathers,
-                       self.positions, self.buckets)
-        return ops.depend(after, done)
-
-
-class _OwnerBroadcast(nn.Cell):
-    """One owner's broadcast of its updated parameters of one dtype (a ``broadcasts``
-    :class:`~mindzero.core.state.CommBucket`): the owner sends what it updated (cast to the network's dtype),
-    every other rank receives into its own copy (stages 1-2) or a zero buffer of the full shape (stage 3); then
-    every rank writes the value, or at stage 3 its shard of it, into the network's tensor."""
-
-    def __init__(self, bucket, state: ZeroState):
-        super().__init__(auto_prefix=False)
-        world = state.world
-        params = [state.params[i] for i in bucket.positions]
-        self.op = backend_of(world).broadcast(bucket.root)
-        self.bucket = Bucket.of(bucket.specs)
-        self.mine = tuple(ps.update.owned_by(world.op_rank) for ps in params)
-        self.sources = ParameterTuple([ps.target for ps in params])
-        self.helds = ParameterTuple([ps.weight for ps in params])
-        self.shapes = tuple(tuple(ps.spec.shape) for ps in params)
-        self.paddings = tuple(ps.spec.padding for ps in params)
-        self.sharded = state.config.policy.shard_parameters
-        self.op_rank, self.op_size = world.op_rank, world.op_size
-
-    def construct(self, after):
-        values = MAP(ops.partial(broadcast_input, after, self.sharded), self.mine, self.shapes, self.sources,
-                     self.helds)
-        out = self.op(values, self.bucket)
-        done = MAP(ops.partial(broadcast_write, self.op_rank, self.op_size, self.sharded), self.paddings, self.helds,
-                   out)
-        return ops.depend(after, done)
-
-
-class WriteBack(nn.Cell):
-    """After the optimizer step: stages 1-2 all-gather the updated flat master shards into the full parameters
-    (:class:`GatherInto`, in the parameters' dtype); every owner broadcasts its updated owner-mode parameters
-    (:class:`_OwnerBroadcast`, one after the other, in the plan's order: the same collectives on every rank); with
-    ``param_dtype`` every other master is cast to ``param_dtype`` and assigned to its network parameter (no
-    communication)."""
-
-    def __init__(self, state: ZeroState):
-        super().__init__(auto_prefix=False)
-        self.has_gather = bool(state.gather)
-        if self.has_gather:
-            self.gather = GatherInto(state.gather, state.world, [ps.weight for ps in state.params],
-                                     [ps.target for ps in state.params], state.order)
-        self.broadcasts = nn.CellList([_OwnerBroadcast(b, state) for b in state.broadcasts], auto_prefix=False)
-        self.has_broadcast = bool(state.broadcasts)
-        local = state.masters_of(CAST)
-        self.has_local = bool(local)
-        if self.has_local:
-            self.helds = ParameterTuple([pair.held for pair in local])
-            self.masters = ParameterTuple([pair.master for pair in local])
-
-    def construct(self, after):
-        """Write after ``after``; returns ``after`` made to depend on every write."""
-        if self.has_gather:
-            after = self.gather(after)
-        if self.has_broadcast:
-            for broadcast in self.broadcasts:
-                after = broadcast(after)
-        if self.has_local:
-            after = ops.depend(after, MAP(ops.partial(write_cast, after), self.helds, self.masters))
-        return after
-
-
-class Refresh(nn.Cell):
-    """Before each update, every master takes up a value written into the network's tensor since the last one
-    (:class:`~mindzero.core.state.MasterPair`): a flat master shard becomes this rank's slice of the parameter; a
-    ``param_dtype`` master keeps its value where the network's copy equals it cast, and takes the copy's value
-    elsewhere. Without such a write both leave every master as it was, bit for bit."""
-
-    def __init__(self, state: ZeroState):
-        super().__init__(auto_prefix=False)
-        params = [ps for ps in state.params if ps.master is not None and ps.master.refresh]
-        self.masters = ParameterTuple([ps.master.master for ps in params])
-        self.helds = ParameterTuple([ps.master.held for ps in params])
-        self.sliced = tuple(ps.master.kind == GATHER for ps in params)
-        self.paddings = tuple(ps.spec.padding for ps in params)
-        self.op_rank, self.op_size = state.world.op_rank, state.world.op_size
-        self.empty = not params
-
-    def construct(self, after):
-        """Returns ``after`` made to depend on every refresh."""
-        if self.empty:
-            return after
-        return ops.depend(after, MAP(ops.partial(refresh, after, self.op_rank, self.op_size), self.masters,
-                                     self.helds, self.sliced, self.paddings))
-
-
-class OwnerGradients(nn.Cell):
-    """Owner mode: each owner-mode parameter's reduced gradient shard is all-gathered (every rank, in optimizer
-    order); its owner hands the full gradient to the optimizer, every other rank a stand-in of zeros (of the
-    stand-in's shape) made after the gather. Other gradients pass as they are."""
-
-    def __init__(self, state: ZeroState):
-        super().__init__(auto_prefix=False)
-        n, op_rank = len(state.params), state.world.op_rank
-        self.token = state.order
-        gather = AllGather(state.world)
-        self.gathers = (gather,) * n  # mapped beside the gradients (kernels note)
-        self.gather = gather
-        self.kinds = tuple(0 if ps.update.mode != OWNER else 1 if ps.update.owned_by(op_rank) else 2
-                           for ps in state.params)
-        self.numels = tuple(ps.spec.numel for ps in state.params)
-        self.shapes = tuple(tuple(ps.spec.shape) for ps in state.params)
-        self.stand_ins = tuple(placeholder_shape(ps.spec.shape, ps.spec.shape) for ps in state.params)
-
-    def construct(self, grads):
-        return MAP(ops.partial(owner_grad, self.token), self.gathers, grads, self.kinds, self.numels, self.shapes,
-                   self.stand_ins)
 
 
 class ZeroEMA(nn.Cell):

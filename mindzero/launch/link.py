@@ -11,7 +11,7 @@ the ranks over that loopback, so:
 * **one shared link**: every byte any rank sends crosses the one queue once, so ``rate`` is the *aggregate* of
   all ranks. A cluster whose N devices each have a link of B moves the same ring traffic in the same time
   when ``rate = N x B`` (a ring sends ``2 (N-1)/N x S`` per device for an all-reduce of S bytes; on the shared
-  link the N devices' bytes queue one after another). :func:`calibrate` uses this;
+  link the N devices' bytes queue one after another). `benchmarks/link_calibration.py` uses this;
 * **the delay** is added to every packet, both ways (a round trip pays twice);
 * **what it does not model**: separate per-node links and switches, intra-node links faster than inter-node
   ones, RDMA's lower CPU cost, and compute/communication overlap beyond what MindSpore's CPU runtime does. The
@@ -176,93 +176,3 @@ class LinkNamespace:
         self.holder.wait()
         for stream in (self.holder.stdout, self.holder.stderr):
             stream.close()
-
-
-# --- calibration: which shared-link rate gives this machine a cluster's compute-to-link ratio ------------------
-@dataclass(frozen=True)
-class Cluster:
-    """An accelerator cluster as the calibration sees it: one device's dense peak (FLOP/s, the datasheet's),
-    the fraction of it training reaches (model FLOPs utilisation), and the network bandwidth per device (bit/s:
-    a node's NICs divided by its devices)."""
-
-    name: str
-    peak_flops: float
-    link_bits: float
-    mfu: float = 0.4
-    source: str = ""
-
-    @property
-    def achieved_flops(self) -> float:
-        return self.peak_flops * self.mfu
-
-
-CLUSTERS = {
-    "dgx-a100": Cluster("DGX A100 nodes, 8 x A100 SXM, 8 x 200 Gb/s HDR InfiniBand", 312e12, 200e9,
-                        source="NVIDIA A100 datasheet (312 TFLOPS BF16 dense); DGX A100 user guide (8 x HDR "
-                               "200 Gb/s compute NICs, one per GPU)"),
-    "p3dn-v100": Cluster("AWS p3dn.24xlarge, 8 x V100, 100 Gb/s per node", 125e12, 100e9 / 8,
-                         source="NVIDIA V100 datasheet (125 TFLOPS tensor); AWS p3dn.24xlarge (100 Gbps "
-                                "networking per instance)"),
-}
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """The arithmetic of :func:`calibrate`, every figure kept so :meth:`explain` can show it."""
-
-    cluster: Cluster
-    world_size: int
-    step_flops: float
-    step_seconds: float
-
-    @property
-    def here_flops(self) -> float:
-        """FLOP/s one rank achieves here (its step's FLOPs over the step's time)."""
-        return self.step_flops / self.step_seconds
-
-    @property
-    def slowdown(self) -> float:
-        """How many times slower one rank computes here than one device of the cluster."""
-        return self.cluster.achieved_flops / self.here_flops
-
-    @property
-    def per_rank_bits(self) -> float:
-        """The link one rank needs here for the cluster's bytes per FLOP."""
-        return self.cluster.link_bits / self.slowdown
-
-    @property
-    def rate(self) -> int:
-        """The shared loopback's rate: N ranks' links in one queue (the model of :mod:`this module`)."""
-        return max(8000, int(self.per_rank_bits * self.world_size))
-
-    def explain(self) -> str:
-        c = self.cluster
-        return "\n".join([
-            f"cluster: {c.name} ({c.source})",
-            f"  one device achieves {c.peak_flops / 1e12:g} TFLOP/s peak x {c.mfu:g} MFU = "
-            f"{c.achieved_flops / 1e12:.1f} TFLOP/s; its link is {c.link_bits / 1e9:g} Gbit/s",
-            f"  bytes per FLOP on the cluster: {c.link_bits / 8:.3g} B/s / {c.achieved_flops:.3g} FLOP/s = "
-            f"{c.link_bits / 8 / c.achieved_flops:.3g}",
-            f"here: one rank's step is {self.step_flops / 1e9:.2f} GFLOP in {self.step_seconds:.2f} s = "
-            f"{self.here_flops / 1e9:.3g} GFLOP/s, {self.slowdown:,.0f}x slower than one device",
-            f"  the same bytes per FLOP here: {c.link_bits / 1e9:g} Gbit/s / {self.slowdown:,.0f} = "
-            f"{self.per_rank_bits / 1e6:.3g} Mbit/s per rank",
-            f"  one shared loopback for {self.world_size} ranks: {self.world_size} x {self.per_rank_bits / 1e6:.3g} = "
-            f"{self.rate / 1e6:.3g} Mbit/s  ->  --link-rate {max(1, round(self.rate / 1e3))}kbit",
-        ])
-
-
-def calibrate(step_flops: float, step_seconds: float, world_size: int, cluster="dgx-a100") -> Calibration:
-    """The shared-link rate at which ``world_size`` ranks of this machine, each doing ``step_flops`` in
-    ``step_seconds``, have the compute-to-link ratio of ``cluster`` (a :data:`CLUSTERS` name or a
-    :class:`Cluster`). Pure arithmetic: :meth:`Calibration.explain` shows it."""
-    if isinstance(cluster, str):
-        if cluster not in CLUSTERS:
-            raise ValueError(f"cluster={cluster!r}: must be one of {sorted(CLUSTERS)} or a Cluster")
-        cluster = CLUSTERS[cluster]
-    for name, value in (("step_flops", step_flops), ("step_seconds", step_seconds)):
-        if not value > 0:
-            raise ValueError(f"{name}={value!r}: must be > 0")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r}: must be an int >= 1")
-    return Calibration(cluster, world_size, float(step_flops), float(step_seconds))

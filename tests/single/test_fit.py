@@ -8,7 +8,8 @@ import pytest
 
 import mindzero
 from mindzero.core.fit import MIB
-from mindzero.engine.fit import BlockLists, Planner, factory_ref, predict_peak
+from mindzero.planner.factory import BlockLists, factory_ref
+from mindzero.planner.planner import Planner, predict_peak
 
 GPT = "tests.support.factories:tiny_gpt"
 SAMPLE = [((2, 16), "int32"), ((2, 16), "int32")]
@@ -25,7 +26,7 @@ def test_the_repeated_blocks_are_found_and_cut(planner):
     net = planner.network
     assert (net.depth, net.list_name) == (4, "gpt.blocks")
     assert net.n_states == 2 and net.block_numel > 0
-    from mindzero.engine.fit import build
+    from mindzero.planner.factory import build
 
     cut, _, lists = build(GPT, net.cut, 2)
     assert len(lists.kept) == 2 and len(cut.gpt.blocks) == 2
@@ -103,7 +104,7 @@ def test_a_failing_rehearsal_reports_its_error(planner):
 
 
 def test_the_cli_prints_the_table_and_a_recommendation(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "mindzero.engine.fit", GPT, "--sample", "2x16:int32,2x16:int32",
+    out = subprocess.run([sys.executable, "-m", "mindzero.planner.cli", GPT, "--sample", "2x16:int32,2x16:int32",
                           "--world-size", "2", "--budget", "4GiB", "--stages", "2,3", "--no-quantization",
                           "--global-batch", "4", "--json", str(tmp_path / "plan.json")],
                          capture_output=True, text=True, timeout=600)

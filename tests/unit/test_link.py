@@ -1,8 +1,12 @@
 """The shaped link's pure parts: rates and delays as tc writes them, the qdisc each shape asks for, the refusals,
-and the calibration's arithmetic checked by hand (docs/launch.md, "A shaped link")."""
+and the calibration's arithmetic (benchmarks/link_calibration.py) checked by hand (docs/launch.md, "A shaped
+link")."""
+import importlib.util
+from pathlib import Path
+
 import pytest
 
-from mindzero.launch.link import CLUSTERS, Cluster, LinkShape, calibrate, parse_delay, parse_rate
+from mindzero.launch.link import LinkShape, parse_delay, parse_rate
 from mindzero.launch.local import LaunchOptions, main
 
 
@@ -54,7 +58,18 @@ def test_a_delay_without_a_rate_is_refused(capsys):
     assert "--link-delay 1ms: needs --link-rate" in capsys.readouterr().err
 
 
+def _calibration():
+    """benchmarks/link_calibration.py, the calibration's one user and home (a script, loaded by path)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "link_calibration.py"
+    spec = importlib.util.spec_from_file_location("link_calibration", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_calibration_arithmetic_by_hand():
+    cal_module = _calibration()
+    Cluster, calibrate = cal_module.Cluster, cal_module.calibrate
     # a device of 100 TFLOP/s at MFU 0.5 (50 TFLOP/s achieved) with a 100 Gbit/s link; here one rank does
     # 10 GFLOP in 2 s (5 GFLOP/s): 10,000x slower, so 10 Mbit/s per rank, 40 Mbit/s shared by 4 ranks
     cluster = Cluster("test", 100e12, 100e9, mfu=0.5)
@@ -66,6 +81,8 @@ def test_calibration_arithmetic_by_hand():
 
 
 def test_named_clusters_and_refusals():
+    cal_module = _calibration()
+    CLUSTERS, calibrate = cal_module.CLUSTERS, cal_module.calibrate
     cal = calibrate(81e9, 16.4, 4, "dgx-a100")  # the 105M GPT's step at 4 ranks here (docs/performance.md)
     assert cal.cluster is CLUSTERS["dgx-a100"]
     assert cal.rate == int(4 * 200e9 / (312e12 * 0.4 / (81e9 / 16.4)))

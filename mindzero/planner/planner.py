@@ -1,257 +1,31 @@
-"""Will it fit? :func:`predict_peak`, :func:`plan` and the ``mindzero-plan`` tool.
+"""Will it fit? :func:`predict_peak` and :func:`plan`: each rank's peak predicted from rehearsals of small replicas
+of the user's network (:mod:`mindzero.planner.rehearse`; the model and its arithmetic: :mod:`mindzero.core.fit`),
+and the configuration to use within a budget.
 
-The prediction rehearses small replicas of the user's network (:mod:`mindzero.core.fit` holds the model and its
-arithmetic): the factory's network with ``d`` of its repeated blocks (the largest ``nn.CellList`` or
-``nn.SequentialCell`` of identical Cells, cut to its first ``d`` as it is built), under
-:func:`mindzero.lazy_init`, prepared by ``prepare_train_network`` as world rank 0 of ``N``
-(:func:`mindzero.comm.groups.rehearse`), two steps run on an example batch. Each replica runs in a process of its
-own (a fresh interpreter, the launcher's ``MALLOC_MMAP_THRESHOLD_``), so its peak RSS above the RSS before building
-is its alone, as a rank's in a launch; up to ``jobs`` run at once.
-
-``factory`` is a zero-argument function returning ``(net_with_loss, optimizer)``, defined at a module's top level
-(each rehearsal imports it again: ``module:function``), building the optimizer from the network's parameters
-(``net.trainable_params()``) so a cut network gets a cut optimizer.
+A replica is the factory's network with ``d`` of its repeated blocks (the largest ``nn.CellList`` or
+``nn.SequentialCell`` of identical Cells, cut to its first ``d`` as it is built: :mod:`mindzero.planner.factory`);
+two depths give the per-block terms, a second batch the per-sample ones. Up to ``jobs`` rehearsals run at once.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
-import importlib
-import importlib.util
 import json
-import os
-import re
-import subprocess
-import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from ..core.fit import (GIB, MIB, Fit, Measurement, Prediction, accumulation_choices, fit_depth, keeps_gathers,
-                        kept_gathers_per_block, parse_bytes, recommend, table, transient_bytes, with_batch_terms)
-from ..core.host import reset_peak, status_kib
+from ..core.fit import (MIB, Fit, Prediction, accumulation_choices, fit_depth, keeps_gathers, kept_gathers_per_block,
+                        parse_bytes, recommend, table, transient_bytes, with_batch_terms)
 from ..core.plan import dtype_bytes
+from .factory import block_list_name, build, factory_ref
+from .rehearse import run_child
 
-PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
-STEPS = 2  # steps each rehearsal runs: the first compiles, the second is a steady step
-MICRO_PHASES = ("forward", "backward")  # collectives every micro-step repeats (mindzero.core.comm_plan.Call.phase)
 DEFAULT_DEPTHS = (1, 2)
 DEFAULT_MARGIN = 0.10  # what a prediction may be off: the largest error measured is 7.2% (docs/performance.md)
 
 
-# --- the factory, by reference ---------------------------------------------------------------------------
-def factory_ref(factory) -> str:
-    """``"module:function"`` of a top-level function (a file path for a script's ``__main__``), or the string
-    itself when it already is one.
-
-    Raises:
-        TypeError / ValueError: not a callable, or not importable by name (a lambda, a closure, a method).
-    """
-    if isinstance(factory, str):
-        if ":" not in factory:
-            raise ValueError(f"factory={factory!r}: expected 'module:function' (e.g. 'mypkg.models:build')")
-        return factory
-    if not callable(factory):
-        raise TypeError(f"factory must be a zero-argument function returning (net_with_loss, optimizer), got "
-                        f"{type(factory).__name__}")
-    name, module = getattr(factory, "__qualname__", ""), getattr(factory, "__module__", None)
-    if not name or "<" in name or "." in name or module is None:
-        raise ValueError(f"factory={factory!r}: must be a function defined at a module's top level (each rehearsal "
-                         "process imports it again by name); a lambda, closure or method cannot be")
-    if module == "__main__":
-        path = getattr(sys.modules["__main__"], "__file__", None)
-        if not path:
-            raise ValueError(f"factory={name}: defined in an interactive session; put it in a module")
-        module = str(Path(path).resolve())
-    return f"{module}:{name}"
-
-
-def load_factory(ref: str):
-    """The function of a ``module:function`` (or ``/path/file.py:function``) reference."""
-    module, _, name = ref.rpartition(":")
-    if module.endswith(".py"):
-        spec = importlib.util.spec_from_file_location("_mindzero_factory", module)
-        mod = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, str(Path(module).parent))
-        spec.loader.exec_module(mod)
-    else:
-        mod = importlib.import_module(module)
-    try:
-        return getattr(mod, name)
-    except AttributeError:
-        raise ValueError(f"factory={ref!r}: module {module!r} has no {name!r}") from None
-
-
-# --- the repeated blocks ---------------------------------------------------------------------------------
-class BlockLists:
-    """While the factory runs: record every list of two or more identical Cells built (``nn.CellList`` /
-    ``nn.SequentialCell``: same class, same parameter shapes and dtypes) in the order built, or cut the
-    ``cut``-th of them to its first ``depth`` Cells (the others are never reachable, so never materialised)."""
-
-    def __init__(self, cut: int = None, depth: int = None):
-        self.cut, self.depth, self.found, self.kept = cut, depth, [], None
-
-    def largest(self) -> dict:
-        """The record of the list the planner cuts: the most parameters in all (blocks x a block's elements)."""
-        return max(self.found, key=lambda f: f["length"] * f["block_numel"])
-
-    @staticmethod
-    def _signature(cell):
-        return type(cell), tuple((tuple(p.shape), str(p.dtype)) for p in cell.get_parameters())
-
-    def _filter(self, items):
-        from mindspore import nn
-
-        items = list(items)
-        if len(items) < 2 or not all(isinstance(c, nn.Cell) for c in items):
-            return items
-        sig = self._signature(items[0])
-        if not sig[1] or any(self._signature(c) != sig for c in items[1:]):
-            return items
-        index = len(self.found)
-        numel = sum(int(np.prod(s)) for s, _ in sig[1])
-        self.found.append(dict(index=index, length=len(items), cls=sig[0].__name__, block_numel=numel, cells=items))
-        if index == self.cut:
-            items = items[:self.depth]
-            self.kept = items
-        return items
-
-    @contextlib.contextmanager
-    def active(self):
-        from mindspore import nn
-
-        lists, seq = nn.CellList.__init__, nn.SequentialCell.__init__
-        me = self
-
-        def cell_list(self_, items=None, *args, **kwargs):
-            return lists(self_, me._filter(items) if items is not None else items, *args, **kwargs)
-
-        def sequential(self_, *args):
-            if len(args) == 1 and isinstance(args[0], list):
-                args = (me._filter(args[0]),)
-            return seq(self_, *args)
-
-        nn.CellList.__init__, nn.SequentialCell.__init__ = cell_list, sequential
-        try:
-            yield self
-        finally:
-            nn.CellList.__init__, nn.SequentialCell.__init__ = lists, seq
-
-
-def build(ref: str, cut: int = None, depth: int = None, kwargs: dict = None):
-    """``(net, optimizer, lists)``: the factory's network built under ``lazy_init`` (nothing materialised), the
-    ``cut``-th repeated list cut to ``depth``; ``kwargs``: the factory's keyword arguments."""
-    from .materialize import lazy_init
-
-    factory = load_factory(ref)
-    lists = BlockLists(cut, depth)
-    with lazy_init(), lists.active():
-        made = factory(**(kwargs or {}))
-    if not (isinstance(made, tuple) and len(made) == 2):
-        raise TypeError(f"factory {ref!r} must return (net_with_loss, optimizer), got {type(made).__name__}")
-    return made[0], made[1], lists
-
-
-def block_list_name(net, cells) -> str:
-    """The attribute path of the list holding ``cells`` in ``net`` (for ``gather_units``), or ``None``."""
-    for name, cell in net.cells_and_names():
-        if name and cell is cells[0]:
-            return name.rsplit(".", 1)[0] if "." in name else None
-    return None
-
-
-# --- one rehearsal (in its own process) --------------------------------------------------------------------
-def _batch(sample, batch: int, seed: int = 0) -> list:
-    """The example inputs at micro-batch ``batch`` (dimension 0): arrays repeated or cut row-wise; shapes
-    filled (integers 0, floats standard normal)."""
-    rng = np.random.RandomState(seed)
-    out = []
-    for item in sample:
-        if isinstance(item, dict) and "array" in item:
-            arr = np.asarray(item["array"])
-            out.append(arr[np.arange(batch) % arr.shape[0]])
-            continue
-        shape, dtype = (batch, *item["shape"][1:]), np.dtype(item["dtype"])
-        out.append(rng.standard_normal(shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype))
-    return out
-
-
-def rehearse_one(spec: dict) -> dict:
-    """Rehearse one replica (``spec``: factory, world_size, options, cut, depth, batch, sample, recompute) and
-    return its measurement. Runs in a fresh process (:func:`_run_child`)."""
-    import mindspore as ms
-    from mindspore import Tensor
-
-    from ..comm.groups import rehearse
-    from ..core.comm_plan import summarize
-    from ..core.memory import KINDS
-    from .prepare import prepare_train_network
-    from .report import memory_report
-
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    ms.set_seed(0)
-    load_factory(spec["factory"])  # its imports belong to the baseline, not to the network
-    sample = spec["sample"]
-    if spec.get("arrays"):
-        loaded = np.load(spec["arrays"])
-        sample = [{"array": loaded[f"a{i}"]} for i in range(len(loaded.files))]
-    inputs = [Tensor(a) for a in _batch(sample, spec["batch"])]
-    rss0 = status_kib("VmRSS")
-    reset_peak()
-    t = time.perf_counter()
-    net, opt, lists = build(spec["factory"], spec.get("cut"), spec.get("depth"), spec.get("factory_kwargs"))
-    if spec.get("recompute") and lists.kept is not None:
-        for cell in lists.kept:
-            cell.recompute()
-    with rehearse(spec["world_size"]):
-        train = prepare_train_network(net, opt, **spec["options"])
-    for _ in range(STEPS):
-        out = train(*inputs)
-        out[0].asnumpy()
-    peak = (status_kib("VmHWM") - rss0) * 1024
-    report = memory_report(train)
-    calls = train.zero_info.real_calls
-    return dict(peak=peak, states=sum(report[k] for k in KINDS), traffic=summarize(calls)["total"]["traffic"],
-                micro_traffic=summarize([c for c in calls if c.phase in MICRO_PHASES])["total"]["traffic"],
-                seconds=time.perf_counter() - t, depth=spec.get("depth"), batch=spec["batch"])
-
-
-def _run_child(spec: dict, timeout: float) -> Measurement:
-    with tempfile.TemporaryDirectory(prefix="mindzero_fit_") as tmp:
-        src, dst = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        src.write_text(json.dumps(spec))
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", GLOG_v="3", MS_DEV_RUNTIME_CONF="memory_statistics:True",
-                   PYTHONPATH=os.pathsep.join([PACKAGE_PARENT, *sys.path[1:], os.environ.get("PYTHONPATH", "")]))
-        try:
-            run = subprocess.run([sys.executable, "-m", "mindzero.engine.fit", "--rehearse", str(src), str(dst)],
-                                 env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"rehearsal of {spec['factory']} (depth {spec.get('depth')}, batch {spec['batch']}, "
-                               f"{spec['options']}) took more than {timeout:.0f} s") from None
-        if run.returncode != 0 or not dst.exists():
-            tail = "\n".join((run.stderr or run.stdout).strip().splitlines()[-15:])
-            raise RuntimeError(f"rehearsal of {spec['factory']} (depth {spec.get('depth')}, batch {spec['batch']}, "
-                               f"options {spec['options']}) failed (exit {run.returncode}):\n{tail}")
-        r = json.loads(dst.read_text())
-    return Measurement(r["depth"] or 0, r["batch"], r["peak"], r["states"], r["traffic"], r["seconds"],
-                       r["micro_traffic"], pool_peak(run.stdout + run.stderr))
-
-
-_POOL = re.compile(r"dynamic memory pool .*?actual peak used mem:(\d+)M")
-
-
-def pool_peak(log: str) -> int:
-    """Bytes: the highest "actual peak used mem" of MindSpore's dynamic memory pool in a log written under
-    ``MS_DEV_RUNTIME_CONF=memory_statistics:True`` (printed in MiB; 0 if absent)."""
-    return max([int(x) for x in _POOL.findall(log)] or [0]) * MIB
-
-
-# --- the network's facts (in this process, built lazily) ----------------------------------------------------
 class Network:
     """What the planner reads of the factory's full network, built under ``lazy_init`` (nothing materialised):
     its parameters, its optimizer's state count, the repeated list it cuts (``cut``, ``depth``: how many blocks
@@ -261,8 +35,8 @@ class Network:
         from ..core.config import MixedPrecision
         from ..core.introspect import param_infos
         from ..core.plan import PartitionPlan
-        from .optim import OptimizerLayout
-        from .probe import measured_model
+        from ..engine.optim import OptimizerLayout
+        from ..engine.probe import measured_model
 
         net, opt, lists = build(ref, kwargs=kwargs)
         self.cut = self.depth = self.list_name = None
@@ -364,7 +138,7 @@ class Planner:
 
         def one(item):
             key, spec = item
-            m = _run_child(spec, self.timeout)
+            m = run_child(spec, self.timeout)
             self.progress(f"  {spec['options']}, {spec['depth'] or 'whole'} block(s), batch {spec['batch']}"
                           f"{', recompute' if spec['recompute'] else ''}: peak {m.peak / MIB:.0f} MiB "
                           f"({m.seconds:.0f} s)")
@@ -477,7 +251,6 @@ def predict_peak(factory, sample, world_size: int, zero_stage: int = 0, *, depth
         planner.close()
 
 
-# --- the plan --------------------------------------------------------------------------------------------
 def candidates(stages=(0, 1, 2, 3), param_dtype=None, units_pattern=None, quantization=True, regather=True) -> list:
     """The configurations ``plan`` weighs: each stage, and at stage 3 per-block gathers (``units_pattern``),
     int8 gathers and no backward re-gather; each with ``param_dtype`` when given."""
@@ -567,80 +340,3 @@ def optimizer_summary(net: Network, world_size: int) -> dict:
     est = estimate_memory(net.net, 1, world_size, net.model, gradient_accumulation=False)
     owned = est["owner_mode"]
     return dict(name=net.model.label, flat=len(net.model.by_name) - owned, owner=owned, balance=est["balance"])
-
-
-def _parse_sample(text: str) -> list:
-    """``"2x64:int32,2x64:int32"`` -> ``[((2, 64), "int32"), ...]``."""
-    out = []
-    for part in text.split(","):
-        shape, _, dtype = part.strip().partition(":")
-        try:
-            dims = tuple(int(d) for d in shape.lower().split("x"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--sample {text!r}: expected shapes such as 2x64:int32,2x3x224x224:float32")
-        out.append((dims, dtype or "float32"))
-    return out
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--rehearse"]:  # a rehearsal process (_run_child)
-        spec = json.loads(Path(argv[1]).read_text())
-        Path(argv[2]).write_text(json.dumps(rehearse_one(spec)))
-        return 0
-    ap = argparse.ArgumentParser(prog="mindzero-plan", description="Will it fit? Predict each rank's peak memory "
-                                 "for ZeRO configurations of your network and recommend the one to use.")
-    ap.add_argument("factory", help="module:function returning (net_with_loss, optimizer)")
-    ap.add_argument("--sample", required=True, type=_parse_sample,
-                    help="one micro-batch's inputs per rank, e.g. 2x64:int32,2x64:int32 (dimension 0: the batch)")
-    ap.add_argument("--world-size", type=int, required=True, help="ranks of the launch")
-    ap.add_argument("--budget", required=True, help="memory per rank above the framework, e.g. 5GiB")
-    ap.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
-                    help="a configuration fits when its prediction times 1 + margin is within the budget "
-                    "(default %(default)s: the largest error measured)")
-    ap.add_argument("--stages", default="0,1,2,3")
-    ap.add_argument("--param-dtype", choices=["float16", "bfloat16"], help="also weigh mixed precision")
-    ap.add_argument("--recompute", action="store_true", help="also weigh recomputing each repeated block")
-    ap.add_argument("--global-batch", type=int, help="samples per rank per optimizer step: weigh gradient accumulation")
-    ap.add_argument("--no-quantization", action="store_true", help="do not weigh int8 gathers")
-    ap.add_argument("--depths", default="1,2", help="block counts of the two rehearsed replicas")
-    ap.add_argument("--jobs", type=int, default=2, help="rehearsals at once")
-    ap.add_argument("--factory-kwargs", type=json.loads, default={}, help='the factory\'s keyword arguments as JSON, '
-                    'e.g. \'{"layers": 24}\'')
-    ap.add_argument("--json", help="also write the predictions to this file")
-    a = ap.parse_args(argv)
-    started = time.time()
-    try:
-        result = plan(a.factory, a.sample, a.world_size, a.budget, stages=tuple(int(s) for s in a.stages.split(",")),
-                      param_dtype=a.param_dtype, recompute=a.recompute, global_batch=a.global_batch,
-                      quantization=not a.no_quantization, depths=tuple(int(d) for d in a.depths.split(",")),
-                      jobs=a.jobs, progress=lambda m: print(m, flush=True), factory_kwargs=a.factory_kwargs,
-                      margin=a.margin)
-    except ValueError as err:
-        print(f"mindzero-plan: {err}", file=sys.stderr)
-        return 2
-    net = result["network"]
-    print(f"\n{net['factory']}: {net['blocks'] or 'no'} repeated blocks ({net['block_list']}), {a.world_size} ranks, "
-          f"micro-batch {net['batch']}, budget {result['budget'] / GIB:.2f} GiB per rank ({result['usable'] / GIB:.2f} "
-          f"GiB with the {result['margin']:.0%} margin) "
-          f"(calibrated in {time.time() - started:.0f} s)")
-    opt = net["optimizer"]
-    owned = (f", {opt['owner']} updated whole on an owner rank (the most loaded holds {opt['balance']:.2f}x the even "
-             "share of optimizer states)") if opt["owner"] else ""
-    print(f"optimizer {opt['name']} at stages 1-3: {opt['flat']} parameters sharded flat{owned}\n")
-    print(result["table"])
-    if result["largest_depth"]:
-        print("\nlargest depth within the budget (blocks of this width):")
-        for k, v in result["largest_depth"].items():
-            print(f"  {k}: {v['blocks']} blocks, {v['parameters'] / 1e9:.3f}B parameters")
-    print(f"\nrecommended: {result['best'].label}: {result['reason']}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(dict(network=net, budget=result["budget"], reason=result["reason"],
-                                                best=result["best"].label,
-                                                predictions=[p.as_dict() for p in result["predictions"]],
-                                                largest_depth=result["largest_depth"]), indent=1, default=str))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
