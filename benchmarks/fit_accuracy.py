@@ -89,7 +89,7 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--reuse", action="store_true", help="reuse the measured launches under --out (predict again)")
     a = ap.parse_args(argv)
-    from mindzero.planner.planner import Planner
+    from mindzero.planner.planner import Planner, Rehearsal
 
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -98,8 +98,8 @@ def main(argv=None):
         for name in a.models.split(","):
             factory, kwargs, sample, configs = MODELS[name]
             t = time.time()
-            planner = Planner(factory, sample, world, jobs=a.jobs, progress=lambda m: print(m, flush=True),
-                              factory_kwargs=kwargs)
+            planner = Planner(factory, sample, world, Rehearsal(jobs=a.jobs, progress=lambda m: print(m, flush=True),
+                                                                factory_kwargs=kwargs))
             units = f"{planner.network.list_name}.*"
             opts = [options_of(c, units) for c in configs]
             runs = [(o, d, planner.batch, False) for o in opts for d in planner.depths]

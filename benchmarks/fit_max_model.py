@@ -47,7 +47,7 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--margin", type=float, default=0.0, help="mindzero-plan's margin (0: the prediction itself)")
     a = ap.parse_args(argv)
-    from mindzero.planner.planner import plan
+    from mindzero.planner.planner import Rehearsal, plan
 
     ladder = json.loads(Path(a.ladder).read_text())
     args = ladder["args"]
@@ -55,8 +55,9 @@ def main(argv=None):
     print(how, flush=True)
     kwargs = dict(vocab=args["vocab"], dim=args["dim"], layers=8, heads=args["heads"], seq=args["seq"])
     sample = [((args["batch"], args["seq"]), "int32")] * 2
-    result = plan("fit_models:gpt", sample, args["world"], budget, stages=(0, 2, 3), quantization=False,
-                  jobs=a.jobs, progress=lambda m: print(m, flush=True), factory_kwargs=kwargs, margin=a.margin)
+    rehearsal = Rehearsal(jobs=a.jobs, progress=lambda m: print(m, flush=True), factory_kwargs=kwargs)
+    result = plan("fit_models:gpt", sample, args["world"], budget, margin=a.margin, rehearsal=rehearsal,
+                  stages=(0, 2, 3), quantization=False)
     print(result["table"])
     rows = []
     for config, label in CONFIGS.items():

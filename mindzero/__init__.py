@@ -50,6 +50,7 @@ _LAZY = {
     "start_data_parallel": "mindzero.comm.start",
     "predict_peak": "mindzero.planner.planner",
     "plan": "mindzero.planner.planner",
+    "Rehearsal": "mindzero.planner.planner",
     "rehearse": "mindzero.comm.groups",
 }
 

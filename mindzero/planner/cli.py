@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..core.fit import GIB
-from .planner import DEFAULT_MARGIN, plan
+from .planner import DEFAULT_MARGIN, Rehearsal, plan
 
 
 def _parse_sample(text: str) -> list:
@@ -49,11 +49,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     started = time.time()
     try:
-        result = plan(a.factory, a.sample, a.world_size, a.budget, stages=tuple(int(s) for s in a.stages.split(",")),
-                      param_dtype=a.param_dtype, recompute=a.recompute, global_batch=a.global_batch,
-                      quantization=not a.no_quantization, depths=tuple(int(d) for d in a.depths.split(",")),
-                      jobs=a.jobs, progress=lambda m: print(m, flush=True), factory_kwargs=a.factory_kwargs,
-                      margin=a.margin)
+        rehearsal = Rehearsal(tuple(int(d) for d in a.depths.split(",")), a.jobs,
+                              progress=lambda m: print(m, flush=True), factory_kwargs=a.factory_kwargs)
+        result = plan(a.factory, a.sample, a.world_size, a.budget, margin=a.margin, rehearsal=rehearsal,
+                      stages=tuple(int(s) for s in a.stages.split(",")), param_dtype=a.param_dtype,
+                      recompute=a.recompute, global_batch=a.global_batch, quantization=not a.no_quantization)
     except ValueError as err:
         print(f"mindzero-plan: {err}", file=sys.stderr)
         return 2

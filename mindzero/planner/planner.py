@@ -11,19 +11,49 @@ from __future__ import annotations
 import json
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 
 from ..core.fit import (MIB, Fit, Prediction, accumulation_choices, fit_depth, keeps_gathers, kept_gathers_per_block,
                         parse_bytes, recommend, table, transient_bytes, with_batch_terms)
+from ..core.checks import require_int
+from ..core.config import ZeroConfig
 from ..core.plan import dtype_bytes
 from .factory import block_list_name, build, factory_ref
 from .rehearse import run_child
 
 DEFAULT_DEPTHS = (1, 2)
 DEFAULT_MARGIN = 0.10  # what a prediction may be off: the largest error measured is 7.2% (docs/performance.md)
+SEARCH_KEYS = ("stages", "param_dtype", "recompute", "global_batch", "quantization")  # what plan() weighs
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    """How the planner rehearses: ``depths`` (the block counts of the two replicas), ``jobs`` (rehearsals at once,
+    each a process), ``timeout`` (seconds per rehearsal), ``progress`` (a function called with a line per step,
+    e.g. ``print``) and ``factory_kwargs`` (the factory's keyword arguments, JSON-able: a width or a depth).
+    Validated on construction."""
+
+    depths: tuple = DEFAULT_DEPTHS
+    jobs: int = 2
+    timeout: float = 900
+    progress: Optional[Callable] = None
+    factory_kwargs: Optional[dict] = None
+
+    def __post_init__(self):
+        d = tuple(self.depths)
+        if len(d) != 2 or not all(isinstance(x, int) for x in d) or d[0] >= d[1] or d[0] < 1:
+            raise ValueError(f"depths={self.depths!r}: two block counts, the first >= 1 and smaller than the second")
+        require_int("jobs", self.jobs, 1)
+        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ValueError(f"timeout={self.timeout!r}: must be seconds > 0")
+        if self.progress is not None and not callable(self.progress):
+            raise ValueError(f"progress={self.progress!r}: must be a function of one line (e.g. print) or None")
+        json.dumps(self.factory_kwargs or {})  # each rehearsal process receives them as JSON
+        object.__setattr__(self, "depths", d)
 
 
 class Network:
@@ -101,18 +131,16 @@ def _jsonable(options: dict) -> dict:
 class Planner:
     """Rehearsals of one factory and sample, shared by the configurations that need them."""
 
-    def __init__(self, factory, sample, world_size: int, depths=DEFAULT_DEPTHS, jobs: int = 2, timeout: float = 900,
-                 progress=None, factory_kwargs: dict = None):
-        from ..core.checks import require_int
-
+    def __init__(self, factory, sample, world_size: int, rehearsal: Rehearsal = None):
         require_int("world_size", world_size, 1)
-        if len(depths) != 2 or depths[0] >= depths[1] or depths[0] < 1:
-            raise ValueError(f"depths={depths!r}: two block counts, the first >= 1 and smaller than the second")
+        rehearsal = rehearsal or Rehearsal()
+        if not isinstance(rehearsal, Rehearsal):
+            raise TypeError(f"rehearsal must be a mindzero.Rehearsal, got {type(rehearsal).__name__}")
         self.ref = factory_ref(factory)
-        self.factory_kwargs = dict(factory_kwargs or {})
-        json.dumps(self.factory_kwargs)  # each rehearsal process receives them as JSON
-        self.world_size, self.depths, self.jobs, self.timeout = world_size, tuple(depths), max(1, int(jobs)), timeout
-        self.progress = progress or (lambda msg: None)
+        self.factory_kwargs = dict(rehearsal.factory_kwargs or {})
+        self.world_size, self.depths, self.jobs = world_size, rehearsal.depths, rehearsal.jobs
+        self.timeout = rehearsal.timeout
+        self.progress = rehearsal.progress or (lambda msg: None)
         self._tmp = tempfile.TemporaryDirectory(prefix="mindzero_plan_")
         self.sample, self.arrays, self.batch = _sample_spec(sample, Path(self._tmp.name))
         self.network = Network(self.ref, self.factory_kwargs)
@@ -216,24 +244,23 @@ class Planner:
         gc.collect()
 
 
-def predict_peak(factory, sample, world_size: int, zero_stage: int = 0, *, depths=DEFAULT_DEPTHS,
-                 recompute: bool = False, jobs: int = 2, timeout: float = 900, progress=None,
-                 factory_kwargs: dict = None, **options) -> Prediction:
+def predict_peak(factory, sample, world_size: int, zero_stage: int = 0, *, recompute: bool = False,
+                 rehearsal: Rehearsal = None, **options) -> Prediction:
     """Predict each rank's peak RSS above the process's RSS before building the network, before launching.
 
     Args:
         factory: a top-level function (or ``"module:function"``) returning ``(net_with_loss, optimizer)``, the
-            optimizer built from the network's parameters; the planner builds it under ``lazy_init``.
+            optimizer built from the network's parameters; the planner builds it under ``lazy_init``. A factory
+            defined in the running script is found by importing that script in each rehearsal process, so the
+            script must keep its work under ``if __name__ == "__main__":`` (or it is refused, naming the line).
         sample: the network's inputs for one micro-batch on one rank: Tensors/arrays, or ``(shape, dtype)``
             pairs (integers filled with 0, floats random); dimension 0 is the batch.
         world_size: ranks of the launch (the op group: hybrid layouts are not predicted).
         zero_stage, **options: ``prepare_train_network``'s arguments (as strings or numbers: ``param_dtype=
-            "float16"``).
-        depths: the block counts of the two replicas (default 1 and 2).
+            "float16"``), validated as ``prepare_train_network`` validates them before anything is rehearsed.
         recompute: recompute each repeated block in backward (``Cell.recompute()``).
-        jobs: rehearsals at once (each is a process). timeout: seconds per rehearsal.
-        progress: a function called with a line per step (e.g. ``print``).
-        factory_kwargs: keyword arguments the factory is called with (JSON-able), e.g. a width or depth.
+        rehearsal: how to rehearse (:class:`Rehearsal`: the replicas' depths, processes at once, timeout,
+            progress lines, the factory's keyword arguments).
 
     Returns:
         :class:`mindzero.core.fit.Prediction`: ``peak`` (bytes), ``parts`` (model states by the plan,
@@ -244,9 +271,11 @@ def predict_peak(factory, sample, world_size: int, zero_stage: int = 0, *, depth
         ValueError / TypeError: a factory that is not importable by name, a bad sample or option (named).
         RuntimeError: a rehearsal that failed (with its error) or timed out.
     """
-    planner = Planner(factory, sample, world_size, depths, jobs, timeout, progress, factory_kwargs)
+    options = {"zero_stage": zero_stage, **options}
+    ZeroConfig.from_arguments(options)  # the options' errors before any rehearsal, as prepare_train_network's
+    planner = Planner(factory, sample, world_size, rehearsal)
     try:
-        return planner.predict({"zero_stage": zero_stage, **options}, recompute)
+        return planner.predict(options, recompute)
     finally:
         planner.close()
 
@@ -269,17 +298,17 @@ def candidates(stages=(0, 1, 2, 3), param_dtype=None, units_pattern=None, quanti
     return out
 
 
-def plan(factory, sample, world_size: int, budget, *, stages=(0, 1, 2, 3), param_dtype=None, recompute=False,
-         global_batch: int = None, quantization: bool = True, depths=DEFAULT_DEPTHS, jobs: int = 2,
-         timeout: float = 900, progress=None, factory_kwargs: dict = None, margin: float = DEFAULT_MARGIN) -> dict:
+def plan(factory, sample, world_size: int, budget, *, margin: float = DEFAULT_MARGIN, rehearsal: Rehearsal = None,
+         **search) -> dict:
     """The configurations that fit ``budget`` (bytes per rank above the RSS before building, or ``"5GiB"``), and
     the one to use: the fewest bytes on the wire among those that fit.
 
-    Weighs stages 0-3, stage 3's per-block gathers, int8 gathers and no re-gather, ``param_dtype`` (when given),
-    recompute of the repeated blocks (``recompute=True`` adds each configuration with it) and, with
-    ``global_batch`` (samples per rank per optimizer step), gradient accumulation over equal micro-batches
-    (predicted from the batch terms of the fit: no more rehearsals). A configuration fits when its prediction
-    times ``1 + margin`` is within the budget (default 10%: the largest error measured, docs/performance.md).
+    ``search`` (:data:`SEARCH_KEYS`): ``stages`` (default 0-3; at stage 3 also per-block gathers, int8 gathers and
+    no re-gather), ``param_dtype`` (also weigh it, when given), ``recompute`` (also weigh recomputing the repeated
+    blocks), ``global_batch`` (samples per rank per optimizer step: weigh gradient accumulation over equal
+    micro-batches, predicted from the batch terms of the fit, no more rehearsals), ``quantization`` (default True:
+    weigh int8 gathers). A configuration fits when its prediction times ``1 + margin`` is within the budget
+    (default 10%: the largest error measured, docs/performance.md). ``rehearsal``: as :func:`predict_peak`'s.
 
     Returns:
         ``{"predictions": [Prediction], "best": Prediction, "reason": str, "table": str, "largest_depth": {label:
@@ -288,11 +317,19 @@ def plan(factory, sample, world_size: int, budget, *, stages=(0, 1, 2, 3), param
     Raises:
         ValueError: nothing fits (naming the smallest peak found), or bad arguments.
     """
+    unknown = sorted(set(search) - set(SEARCH_KEYS))
+    if unknown:
+        raise ValueError(f"plan: unknown argument {unknown[0]!r}; what plan weighs is {list(SEARCH_KEYS)}")
+    stages = tuple(search.get("stages", (0, 1, 2, 3)))
+    param_dtype, recompute = search.get("param_dtype"), bool(search.get("recompute", False))
+    global_batch, quantization = search.get("global_batch"), search.get("quantization", True)
+    for stage in stages:
+        ZeroConfig.from_arguments({"zero_stage": stage, "param_dtype": param_dtype})
     budget = parse_bytes(budget)
     if not 0 <= margin < 1:
         raise ValueError(f"margin={margin!r}: must be a fraction in [0, 1), e.g. 0.1 for 10%")
     usable = budget / (1 + margin)  # what a prediction may reach
-    planner = Planner(factory, sample, world_size, depths, jobs, timeout, progress, factory_kwargs)
+    planner = Planner(factory, sample, world_size, rehearsal)
     try:
         net = planner.network
         units = f"{net.list_name}.*" if net.list_name else None

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mindzero.launch.local import msrun
-from mindzero.planner.planner import Planner
+from mindzero.planner.planner import Planner, Rehearsal
 
 from . import WORKERS
 
@@ -26,7 +26,7 @@ BOUND = 0.15
 
 @pytest.fixture(scope="module")
 def planner():
-    p = Planner(GPT, SAMPLE, N, factory_kwargs=KWARGS)
+    p = Planner(GPT, SAMPLE, N, Rehearsal(factory_kwargs=KWARGS))
     yield p
     p.close()
 

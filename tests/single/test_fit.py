@@ -9,7 +9,7 @@ import pytest
 import mindzero
 from mindzero.core.fit import MIB
 from mindzero.planner.factory import BlockLists, factory_ref
-from mindzero.planner.planner import Planner, predict_peak
+from mindzero.planner.planner import Planner, Rehearsal, predict_peak
 
 GPT = "tests.support.factories:tiny_gpt"
 SAMPLE = [((2, 16), "int32"), ((2, 16), "int32")]
@@ -66,7 +66,7 @@ def test_the_wire_bytes_extrapolate_exactly_to_the_full_networks_plan(planner):
     """Every block adds the same collectives: two replicas' traffic, extrapolated to 4 blocks, is the full
     network's (rehearsed whole: its plan's real collectives)."""
     pred = planner.predict({"zero_stage": 2})
-    whole = Planner(GPT, SAMPLE, 2, depths=(1, 4))
+    whole = Planner(GPT, SAMPLE, 2, Rehearsal(depths=(1, 4)))
     try:
         full, = whole.measure([({"zero_stage": 2}, 4, 2, False)])
     finally:
@@ -92,6 +92,16 @@ def test_refusals_name_the_problem():
         Planner("tests.support.factories:broken", SAMPLE, 2)
     with pytest.raises(TypeError, match=r"must return \(net_with_loss, optimizer\)"):
         Planner("tests.support.factories:not_a_pair", SAMPLE, 2)
+    with pytest.raises(ValueError, match="unknown option 'bogus'"):  # before any rehearsal
+        predict_peak(GPT, SAMPLE, 2, zero_stage=3, bogus=1)
+    with pytest.raises(ValueError, match="gather_quantization='int8' needs zero_stage=3"):
+        predict_peak(GPT, SAMPLE, 2, zero_stage=2, gather_quantization="int8")
+    with pytest.raises(ValueError, match=r"depths=\(2, 2\): two block counts"):
+        Rehearsal(depths=(2, 2))
+    with pytest.raises(ValueError, match="jobs must be an int >= 1"):
+        Rehearsal(jobs=0)
+    with pytest.raises(ValueError, match="plan: unknown argument 'jobs'"):
+        mindzero.plan(GPT, SAMPLE, 2, "4GiB", jobs=2)
     with pytest.raises(ValueError, match=r"margin=1.5: must be a fraction in \[0, 1\)"):
         mindzero.plan(GPT, SAMPLE, 2, "4GiB", margin=1.5)
     with pytest.raises(ValueError, match="no configuration fits; the smallest predicted peak is"):
