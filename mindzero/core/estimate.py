@@ -83,12 +83,8 @@ def _param_infos(network_or_param_shapes, precision: MixedPrecision):
     return out
 
 
-def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, optimizer: str = "adamw",
-                    gradient_accumulation: bool = True, param_dtype=None,
-                    reduce_dtype=None, gather_quantization=None,
-                    stage3_param_persistence_threshold=ARGUMENT_DEFAULTS["stage3_param_persistence_threshold"],
-                    stage3_model_persistence_threshold=ARGUMENT_DEFAULTS["stage3_model_persistence_threshold"],
-                    n_states: int = None, optimizer_offload=False, offload_chunk_mb=DEFAULT_CHUNK_MB) -> dict:
+def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, optimizer: str = "adamw", *,
+                    n_states: int = None, **options) -> dict:
     """Bytes per rank by kind that ``prepare_train_network`` will allocate, and the paper's formula.
 
     Args:
@@ -99,19 +95,18 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
             and whether it is element-wise: ``adamw``, ``sgd`` (MindSpore's keeps two states), ``came``,
             ``adafactor``, ``muon``, ``mint.adam``, ...), or such a model (an ``OptimizerModel``, or a
             ``MeasuredModel`` read from a real optimizer: ``mindzero-plan``).
-        gradient_accumulation: count the persistent gradient buffers (``gradient_accumulation_steps > 1``).
-        param_dtype, reduce_dtype: the mixed-precision policy of ``prepare_train_network`` (fp32 masters and
-            moments).
-        gather_quantization: stage 3's option of ``prepare_train_network``: adds ``quantization_buffers``
-            (the int8 payloads of this rank's shards kept from forward to backward; transient, not in ``total``).
-        stage3_param_persistence_threshold, stage3_model_persistence_threshold: stage 3's options of
-            ``prepare_train_network``: parameters of fewer elements (up to the cap in all) are counted whole
-            (parameter, gradient, optimizer states) on every rank.
+        **options: ``prepare_train_network``'s options, by its names and validated as it validates them (an
+            unknown name, a bad value or a missing companion is the same error): those that change the bytes are
+            ``gradient_accumulation_steps`` (above 1: the persistent gradient buffers are counted),
+            ``param_dtype`` / ``reduce_dtype`` (fp32 masters and moments), ``gather_quantization`` (adds
+            ``quantization_buffers``: the int8 payloads of this rank's shards kept from forward to backward;
+            transient, not in ``total``), ``stage3_param_persistence_threshold`` /
+            ``stage3_model_persistence_threshold`` (parameters kept whole on every rank at stage 3), and
+            ``optimizer_offload="disk"`` with its ``offload_dir`` and ``offload_chunk_mb`` (the moments counted on
+            disk: ``optimizer_disk``, ``disk_io_per_step`` = read + written per update, and the stream's resident
+            ``offload_buffers`` (in ``total``) and gradient buffers (in ``gradients``)).
         n_states: the optimizer's state tensors per parameter, when known from the optimizer itself (overrides
             ``optimizer``: that many element states, element-wise).
-        optimizer_offload, offload_chunk_mb: ``prepare_train_network``'s options; with ``"disk"`` the moments are
-            counted on disk (``optimizer_disk``, ``disk_io_per_step`` = read + written per update) and the stream's
-            resident ``offload_buffers`` (in ``total``) and gradient buffers (in ``gradients``) are added.
 
     Returns:
         ``{"parameters", "gradients", "optimizer_states", "total": int, "phi": int,
@@ -134,13 +129,7 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
         model = OPTIMIZER_MODELS[key]
     if n_states is not None:
         model = OptimizerModel(require_int("n_states", n_states, 0))
-    disk = optimizer_offload == "disk"
-    config = ZeroConfig.from_arguments(dict(
-        zero_stage=zero_stage, gradient_accumulation_steps=2 if gradient_accumulation else 1, param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype, gather_quantization=gather_quantization, scale_sense=2.0,
-        stage3_param_persistence_threshold=stage3_param_persistence_threshold,
-        stage3_model_persistence_threshold=stage3_model_persistence_threshold, optimizer_offload=optimizer_offload,
-        offload_dir="." if disk else None, offload_chunk_mb=offload_chunk_mb))
+    config = ZeroConfig.from_arguments({**options, "zero_stage": zero_stage})
     policy, precision = config.policy, config.precision
     infos = _param_infos(network_or_param_shapes, precision)
     plan = PartitionPlan.build(infos, op_size, 0, **config.persistence)
@@ -193,7 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_MODELS))
     ap.add_argument("--mixed-precision", action="store_true", help="param_dtype=float16: fp16 parameters and gradients, fp32 masters "
                     "and moments (the paper's mixed-precision setting)")
-    ap.add_argument("--no-accumulation", action="store_true", help="no persistent gradient buffers")
+    ap.add_argument("--no-accumulation", action="store_true", help="gradient_accumulation_steps=1: no persistent "
+                    "gradient buffers (by default they are counted, as any gradient_accumulation_steps > 1 keeps them)")
     ap.add_argument("--persistence-threshold", type=int, metavar="ELEMENTS",
                     default=ARGUMENT_DEFAULTS["stage3_param_persistence_threshold"],
                     help="stage 3: parameters of fewer elements kept whole (stage3_param_persistence_threshold; "
@@ -201,28 +191,32 @@ def main(argv=None) -> int:
     ap.add_argument("--model-persistence-threshold", type=int, metavar="ELEMENTS",
                     help="stage 3: the most elements kept whole in all (stage3_model_persistence_threshold; "
                     "default: 1%% of the model's elements)")
-    ap.add_argument("--disk", action="store_true", help="optimizer_offload='disk' (stages 1-3): the moments on disk "
-                    "(columns: on disk, read + written per update, the stream's slots)")
-    ap.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB, help="offload_chunk_mb (with --disk)")
+    ap.add_argument("--offload-dir", metavar="DIR", help="optimizer_offload='disk' with this offload_dir (stages 1-3): "
+                    "the moments on disk (columns: on disk, read + written per update, the stream's slots)")
+    ap.add_argument("--offload-chunk-mb", type=float, default=DEFAULT_CHUNK_MB,
+                    help="offload_chunk_mb (with --offload-dir)")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     a = ap.parse_args(argv)
     shapes = [a.params] if a.params is not None else json.loads(open(a.shapes).read())
     rows = []
-    disk_head = " on disk MiB | disk I/O per update MiB | slots MiB |" if a.disk else ""
+    disk_head = " on disk MiB | disk I/O per update MiB | slots MiB |" if a.offload_dir else ""
     print("| stage | N | params MiB | grads MiB | optimizer MiB | total MiB | formula MiB | formula | other precision's "
           "formula MiB |" + disk_head)
-    print("|---|---|---|---|---|---|---|---|---|" + "---|" * (3 if a.disk else 0))
+    print("|---|---|---|---|---|---|---|---|---|" + "---|" * (3 if a.offload_dir else 0))
     names = {0: "16Φ", 1: "4Φ+12Φ/N", 2: "2Φ+14Φ/N", 3: "16Φ/N"} if a.mixed_precision else \
         {0: "16Φ", 1: "8Φ+12Φ/N", 2: "4Φ+16Φ/N", 3: "16Φ/N"}
     mib = 2 ** 20
     for n in (int(x) for x in a.op_sizes.split(",")):
         for stage in (int(x) for x in a.stages.split(",")):
-            disk = a.disk and stage > 0
-            e = estimate_memory(shapes, stage, n, a.optimizer, not a.no_accumulation,
-                                "float16" if a.mixed_precision else None,
-                                stage3_param_persistence_threshold=a.persistence_threshold,
-                                stage3_model_persistence_threshold=a.model_persistence_threshold,
-                                optimizer_offload="disk" if disk else False, offload_chunk_mb=a.chunk_mb)
+            disk = a.offload_dir is not None and stage > 0
+            options = dict(gradient_accumulation_steps=1 if a.no_accumulation else 2,
+                           param_dtype="float16" if a.mixed_precision else None,
+                           stage3_param_persistence_threshold=a.persistence_threshold,
+                           stage3_model_persistence_threshold=a.model_persistence_threshold)
+            if disk:
+                options.update(optimizer_offload="disk", offload_dir=a.offload_dir,
+                               offload_chunk_mb=a.offload_chunk_mb)
+            e = estimate_memory(shapes, stage, n, a.optimizer, **options)
             extra = ("optimizer_disk", "disk_io_per_step", "offload_buffers") if disk else ()
             rows.append({k: e[k] for k in ("stage", "op_size", "phi", "total", *KINDS, *extra)}
                         | {"formula": e["formula"]})
@@ -231,7 +225,7 @@ def main(argv=None) -> int:
                   f"{names.get(stage, '')} | "
                   f"{e['formulas']['fp32' if a.mixed_precision else 'mixed_precision']['total'] / mib:.1f} |"
                   + ("".join(f" {e.get(k, 0) / mib:.1f} |" for k in ("optimizer_disk", "disk_io_per_step",
-                                                                      "offload_buffers")) if a.disk else ""))
+                                                                      "offload_buffers")) if a.offload_dir else ""))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

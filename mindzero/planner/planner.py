@@ -217,10 +217,8 @@ class Planner:
         depth = self.network.depth if self.network.cut is not None else 0
         stage = int(options.get("zero_stage", 0))
         est = estimate_memory(self.network.net, stage, self.world_size, self.network.model,
-                              gradient_accumulation=accumulation > 1,
-                              **{k: options[k] for k in ("param_dtype", "reduce_dtype", "gather_quantization",
-                                                         "stage3_param_persistence_threshold",
-                                                         "stage3_model_persistence_threshold") if k in options})
+                              **{**{k: v for k, v in options.items() if k != "zero_stage"},
+                                 "gradient_accumulation_steps": accumulation})
         peak = fit.peak(depth, batch)
         if accumulation > 1 and int(options.get("gradient_accumulation_steps", 1) or 1) == 1:
             peak += est["gradients"]  # calibrated without accumulation: add the gradient buffers it allocates
@@ -374,6 +372,6 @@ def optimizer_summary(net: Network, world_size: int) -> dict:
     even share."""
     from ..core.estimate import estimate_memory
 
-    est = estimate_memory(net.net, 1, world_size, net.model, gradient_accumulation=False)
+    est = estimate_memory(net.net, 1, world_size, net.model)
     owned = est["owner_mode"]
     return dict(name=net.model.label, flat=len(net.model.by_name) - owned, owner=owned, balance=est["balance"])

@@ -415,7 +415,7 @@ def test_measured_memory_agrees_with_estimate(run, name, accum):
     for r in range(n):
         mem = res.json(r, "memory.json")
         for stage in (1, 2, 3) if accum else (0, 1, 2, 3):
-            got, est = mem[f"{name}-{stage}"], estimate_memory(net, stage, n, "adam", gradient_accumulation=accum)
+            got, est = mem[f"{name}-{stage}"], estimate_memory(net, stage, n, "adam", gradient_accumulation_steps=4 if accum else 1)
             for kind in ("parameters", "gradients", "optimizer_states"):
                 assert abs(got[kind] - est[kind]) <= 0.01 * max(est[kind], 1), (r, stage, kind, got[kind], est[kind])
 

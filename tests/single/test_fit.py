@@ -41,7 +41,7 @@ def test_the_prediction_extrapolates_the_rehearsals_and_its_parts_add_up(planner
     assert pred.fit.peak(1, 2) == pytest.approx(ms[0].peak) and pred.fit.peak(2, 2) == pytest.approx(ms[1].peak)
     assert pred.peak == pytest.approx(pred.fit.peak(4, 2)) and pred.peak > ms[1].peak
     assert sum(pred.parts.values()) == pytest.approx(pred.peak)
-    est = mindzero.estimate_memory(planner.network.net, 2, 2, n_states=2, gradient_accumulation=False)
+    est = mindzero.estimate_memory(planner.network.net, 2, 2, n_states=2)
     assert pred.parts["model_states"] == est["total"]
 
 

@@ -206,7 +206,7 @@ def test_the_file_is_removed_unless_kept_and_a_dead_process_file_is_cleared(tmp_
 
 def test_estimate_memory_agrees_with_the_run(tmp_path):
     net, _ = build("adamw")
-    est = mindzero.estimate_memory(net, 3, 1, "adamw", gradient_accumulation=False, optimizer_offload="disk",
+    est = mindzero.estimate_memory(net, 3, 1, "adamw", optimizer_offload="disk", offload_dir=str(tmp_path),
                                    offload_chunk_mb=CHUNK_MB)
     _, _, step = train("adamw", 3, steps=1, optimizer_offload="disk", offload_dir=str(tmp_path),
                        offload_chunk_mb=CHUNK_MB)
