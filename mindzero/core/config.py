@@ -18,6 +18,7 @@ from typing import Optional
 from .checks import is_int, is_number, require_bool, require_int
 from .offload import OffloadPolicy
 from .options import ARGUMENT_DEFAULTS
+from .plan import Persistence
 from .quant import GatherQuantization
 from .units import GatherUnits
 
@@ -293,7 +294,7 @@ class Stage3Policy:
     each parameter again in backward instead of keeping its full value from forward), ``shard_frozen`` (also
     shard the parameters the optimizer does not update), ``quantization`` (int8 weight gathers,
     :mod:`mindzero.core.quant`), ``units`` (parameters sharing one all-gather, :mod:`mindzero.core.units`) and
-    ``persistence_threshold`` (parameters of fewer elements are kept whole: no gather, one fused all-reduce of
+    ``param_persistence_threshold`` (parameters of fewer elements are kept whole: no gather, one fused all-reduce of
     their gradients; DeepSpeed's ``stage3_param_persistence_threshold``, 1e5 by default as there; below stage 3
     it changes nothing, as there) and ``model_persistence_threshold`` (the most elements kept whole in all,
     smallest parameters first; DeepSpeed's ``stage3_model_persistence_threshold``; ``None``: 1% of the
@@ -305,29 +306,26 @@ class Stage3Policy:
     shard_frozen: bool = True
     quantization: Optional[GatherQuantization] = None
     units: Optional[GatherUnits] = None
-    persistence_threshold: int = ARGUMENT_DEFAULTS["stage3_param_persistence_threshold"]
+    param_persistence_threshold: int = ARGUMENT_DEFAULTS["stage3_param_persistence_threshold"]
     model_persistence_threshold: Optional[int] = ARGUMENT_DEFAULTS["stage3_model_persistence_threshold"]
 
     def __post_init__(self):
         require_bool("stage3_regather", self.regather)
         require_bool("shard_frozen", self.shard_frozen)
-        require_int("stage3_param_persistence_threshold", self.persistence_threshold, 0)
-        if self.model_persistence_threshold is not None:
-            require_int("stage3_model_persistence_threshold", self.model_persistence_threshold, 0)
+        self.persistence(3)  # the thresholds are validated where they are applied (Persistence)
         for name, value, cls in (("gather_quantization", self.quantization, GatherQuantization),
                                  ("gather_units", self.units, GatherUnits)):
             if value is not None and not isinstance(value, cls):
                 raise ValueError(f"{name} must be None or a {cls.__name__}, got {value!r}")
 
-    def persistence(self, zero_stage) -> dict:
-        """The keyword arguments of :meth:`mindzero.core.plan.PartitionPlan.build` that keep parameters whole at
-        ``zero_stage``: ``persist_below`` (the threshold at stage 3, 0 below it) and ``persist_share`` or
-        ``persist_total`` (the cap in all)."""
+    def persistence(self, zero_stage) -> Persistence:
+        """What :meth:`mindzero.core.plan.PartitionPlan.build` keeps whole at ``zero_stage``: stage 3's
+        thresholds (the cap in all: ``model_persistence_threshold``, or :data:`DEFAULT_PERSISTENCE_SHARE` of the
+        model); nothing below stage 3."""
         if not stage_policy(zero_stage).shard_parameters:
-            return {"persist_below": 0}
-        if self.model_persistence_threshold is None:
-            return {"persist_below": self.persistence_threshold, "persist_share": DEFAULT_PERSISTENCE_SHARE}
-        return {"persist_below": self.persistence_threshold, "persist_total": self.model_persistence_threshold}
+            return Persistence()
+        share = DEFAULT_PERSISTENCE_SHARE if self.model_persistence_threshold is None else None
+        return Persistence(self.param_persistence_threshold, self.model_persistence_threshold, share)
 
     def check_stage(self, zero_stage) -> None:
         """Refuse the stage-3-only options below stage 3.
@@ -358,7 +356,7 @@ class Stage3Policy:
         if self.units is not None:
             raise ValueError(f"gather_units={self.units.as_setting()!r} needs GRAPH_MODE: PyNative runs every read's "
                              "gather separately, so each would all-gather its whole unit; pass gather_units=None")
-        return Stage3Policy(False, self.shard_frozen, self.quantization, None, self.persistence_threshold,
+        return Stage3Policy(False, self.shard_frozen, self.quantization, None, self.param_persistence_threshold,
                             self.model_persistence_threshold)
 
 
@@ -416,7 +414,7 @@ class ZeroConfig:
         return stage_policy(self.zero_stage)
 
     @property
-    def persistence(self) -> dict:
+    def persistence(self) -> Persistence:
         """Which parameters the plan keeps whole (:meth:`Stage3Policy.persistence`)."""
         return self.stage3.persistence(self.zero_stage)
 

@@ -132,7 +132,7 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
     config = ZeroConfig.from_arguments({**options, "zero_stage": zero_stage})
     policy, precision = config.policy, config.precision
     infos = _param_infos(network_or_param_shapes, precision)
-    plan = PartitionPlan.build(infos, op_size, 0, **config.persistence)
+    plan = PartitionPlan.build(infos, op_size, 0, persistence=config.persistence)
     optimized = [s for s in plan if s.optimized]
     keeps_master = precision.enabled or policy.shard_parameters
     updates = planned_updates(optimized, model, policy.shard_optimizer_states, op_size,

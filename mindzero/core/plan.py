@@ -218,25 +218,39 @@ def _kept_whole_reason(p: ParamInfo, shard_frozen: bool) -> str:
     return ""
 
 
-def _persistent_names(params: list, shard_frozen: bool, below: int, total: Optional[int],
-                      share: Optional[float]) -> set:
-    """The names of the shardable parameters of fewer than ``below`` elements, smallest first (ties in
-    parameter order) while their elements stay within ``total`` or ``share`` of all (no cap if both None)."""
-    if total is not None:
-        require_int("persist_total", total, 0)
-    if share is not None and not (isinstance(share, float) and 0.0 <= share <= 1.0):
-        raise ValueError(f"persist_share must be a float in [0, 1], got {share!r}")
-    small = sorted(((math.prod(p.shape), i, p.name) for i, p in enumerate(params)
-                    if not _kept_whole_reason(p, shard_frozen) and math.prod(p.shape) < below))
-    if total is None and share is not None:
-        total = int(share * sum(math.prod(p.shape) for p in params))
-    kept, used = set(), 0
-    for numel, _, name in small:
-        if total is not None and used + numel > total:
-            break
-        kept.add(name)
-        used += numel
-    return kept
+@dataclass(frozen=True)
+class Persistence:
+    """Which shardable parameters the plan keeps whole (stage 3's ``stage3_param_persistence_threshold`` and
+    ``stage3_model_persistence_threshold``, :class:`mindzero.core.config.Stage3Policy`): those of fewer than
+    ``param_threshold`` elements, smallest first (ties in parameter order) while the kept ones hold at most
+    ``model_threshold`` elements in all, or ``model_share`` of the non-empty parameters' elements (``None`` for
+    both: no cap). The default keeps none. Validated here, once."""
+
+    param_threshold: int = 0
+    model_threshold: Optional[int] = None
+    model_share: Optional[float] = None
+
+    def __post_init__(self):
+        require_int("stage3_param_persistence_threshold", self.param_threshold, 0)
+        if self.model_threshold is not None:
+            require_int("stage3_model_persistence_threshold", self.model_threshold, 0)
+        if self.model_share is not None and not (isinstance(self.model_share, float) and 0.0 <= self.model_share <= 1.0):
+            raise ValueError(f"the share of the model kept whole must be a float in [0, 1], got {self.model_share!r}")
+
+    def kept(self, params: list, shard_frozen: bool) -> set:
+        """The names of the parameters of ``params`` kept whole."""
+        small = sorted(((math.prod(p.shape), i, p.name) for i, p in enumerate(params)
+                        if not _kept_whole_reason(p, shard_frozen) and math.prod(p.shape) < self.param_threshold))
+        total = self.model_threshold
+        if total is None and self.model_share is not None:
+            total = int(self.model_share * sum(math.prod(p.shape) for p in params))
+        kept, used = set(), 0
+        for numel, _, name in small:
+            if total is not None and used + numel > total:
+                break
+            kept.add(name)
+            used += numel
+        return kept
 
 
 @dataclass(frozen=True)
@@ -253,23 +267,20 @@ class PartitionPlan:
 
     @staticmethod
     def build(params: Iterable[ParamInfo], op_size: int, op_rank: int, *, shard_frozen: bool = True,
-              persist_below: int = 0, persist_total: Optional[int] = None,
-              persist_share: Optional[float] = None) -> "PartitionPlan":
+              persistence: Persistence = Persistence()) -> "PartitionPlan":
         """Shard every non-empty parameter that the user did not opt out and the network does not write, over
         an op group of ``op_size`` ranks, seen from ``op_rank``: the optimized ones, and the frozen ones unless
-        ``shard_frozen`` is False; a parameter of fewer than ``persist_below`` elements is kept whole
-        (:data:`REASON_PERSISTENT`; stage 3's ``stage3_param_persistence_threshold``, 0 for the other stages),
-        smallest first (ties in parameter order) while the kept ones hold at most ``persist_total`` elements in
-        all, or ``persist_share`` of the non-empty parameters' elements (``None`` for both: no cap; stage 3's
-        ``stage3_model_persistence_threshold``). The same at any ``op_size``.
+        ``shard_frozen`` is False; the ones ``persistence`` keeps are kept whole (:data:`REASON_PERSISTENT`;
+        stage 3's persistence thresholds; none at the other stages). The same at any ``op_size``.
 
         Raises:
             ValueError: ``op_size`` < 1, ``op_rank`` outside ``[0, op_size)``, or a duplicate parameter name.
         """
         require_int("op_size", op_size, 1)
-        require_int("persist_below", persist_below, 0)
+        if not isinstance(persistence, Persistence):
+            raise ValueError(f"persistence must be a Persistence, got {persistence!r}")
         params = list(params)
-        kept = _persistent_names(params, shard_frozen, persist_below, persist_total, persist_share)
+        kept = persistence.kept(params, shard_frozen)
         if not is_int(op_rank) or not 0 <= op_rank < op_size:
             raise ValueError(f"op_rank must be an int in [0, op_size={op_size}), got {op_rank!r}")
         specs, seen = [], set()

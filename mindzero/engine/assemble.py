@@ -78,7 +78,7 @@ def build_plan(network, optimizer, world: World, config: ZeroConfig) -> Partitio
     """The partition plan of ``network``'s parameters for this rank, in ``network.get_parameters()`` order
     (dtypes as held: ``param_dtype`` for the optimized parameters of a mixed-precision run)."""
     return PartitionPlan.build(param_infos(network, config.precision, optimizer), world.op_size, world.op_rank,
-                               shard_frozen=config.stage3.shard_frozen, **config.persistence)
+                               shard_frozen=config.stage3.shard_frozen, persistence=config.persistence)
 
 
 def _param_states(layout: OptimizerLayout, plan: PartitionPlan, config: ZeroConfig) -> tuple:

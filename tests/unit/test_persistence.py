@@ -8,7 +8,7 @@ import pytest
 from mindzero.core.comm_plan import PERSISTENT_BUCKET_BYTES, plan_state, step_calls, summarize
 from mindzero.core.config import FusionConfig, ZeroConfig
 from mindzero.core.estimate import estimate_memory
-from mindzero.core.plan import REASON_BUFFER, REASON_PERSISTENT, ParamInfo, PartitionPlan
+from mindzero.core.plan import REASON_BUFFER, REASON_PERSISTENT, ParamInfo, PartitionPlan, Persistence
 from mindzero.core.topology import EMULATED, World
 
 
@@ -27,7 +27,7 @@ def gpt_infos(layers=14, dim=768, vocab=8192, seq=64):
 
 
 def gpt_calls(threshold, n=4, fusion=FusionConfig()):
-    specs = list(PartitionPlan.build(gpt_infos(), n, 0, persist_below=threshold))
+    specs = list(PartitionPlan.build(gpt_infos(), n, 0, persistence=Persistence(threshold)))
     return step_calls(plan_state(specs, ZeroConfig(3), fusion), World.of_sizes(n, n, EMULATED))
 
 
@@ -35,7 +35,7 @@ def test_the_plan_keeps_small_parameters_whole_and_nothing_else():
     infos = [ParamInfo("w", (100, 100)), ParamInfo("b", (100,)), ParamInfo("scalar", ()),
              ParamInfo("bn.mean", (100,), optimized=False, written=True), ParamInfo("frozen.b", (10,), optimized=False),
              ParamInfo("edge", (99, 100))]
-    plan = PartitionPlan.build(infos, 4, 1, persist_below=9_901)
+    plan = PartitionPlan.build(infos, 4, 1, persistence=Persistence(9_901))
     assert not plan["b"].sharded and plan["b"].reason == REASON_PERSISTENT
     assert plan["scalar"].reason == REASON_PERSISTENT and plan["frozen.b"].reason == REASON_PERSISTENT
     assert plan["bn.mean"].reason == REASON_BUFFER  # a buffer stays per rank: its reason is not replaced
@@ -57,7 +57,7 @@ def test_the_105m_gpt_steps_with_fewer_collectives():
     got = summarize(calls)["total"]
     assert got["calls"] == 3 * (14 * 4 + 1) + 1 + 1 == 173  # 57 big weights, the fused all-reduce, the flag
     assert got["calls"] <= 0.6 * base["calls"]  # the issue's goal: at least 40% fewer
-    default = PartitionPlan.build(gpt_infos(), 4, 0, **ZeroConfig(3).persistence)  # the defaults: the same
+    default = PartitionPlan.build(gpt_infos(), 4, 0, persistence=ZeroConfig(3).persistence)  # the defaults: the same
     assert [s.name for s in default.replicated] == [i.name for i in gpt_infos() if math.prod(i.shape) < 100_000]
     # bytes: the persistent parameters' gradients cross as an all-reduce (2(n-1)/n) instead of a gather, a
     # re-gather and a (CPU: all-reduce) reduce-scatter
@@ -97,16 +97,16 @@ def test_the_cap_keeps_a_small_model_sharded():
     infos = [ParamInfo("w1", (64, 64)), ParamInfo("b1", (64,)), ParamInfo("w2", (64, 16)), ParamInfo("b2", (16,)),
              ParamInfo("g", (16,)), ParamInfo("w3", (16, 64))]  # 6,240 elements: 1% is 62
     default = ZeroConfig.from_arguments({"zero_stage": 3}).persistence
-    assert default == {"persist_below": 100_000, "persist_share": 0.01}
+    assert default == Persistence(100_000, None, 0.01)
     for n in (2, 4, 8):
-        plan = PartitionPlan.build(infos, n, 0, **default)
+        plan = PartitionPlan.build(infos, n, 0, persistence=default)
         assert [s.name for s in plan.replicated] == ["b2", "g"]  # 16 + 16 <= 62; b1's 64 would pass it
     capped = ZeroConfig.from_arguments({"zero_stage": 3, "stage3_model_persistence_threshold": 80}).persistence
-    assert [s.name for s in PartitionPlan.build(infos, 4, 0, **capped).replicated] == ["b2", "g"]  # 96 > 80
+    assert [s.name for s in PartitionPlan.build(infos, 4, 0, persistence=capped).replicated] == ["b2", "g"]  # 96 > 80
     wide = ZeroConfig.from_arguments({"zero_stage": 3, "stage3_model_persistence_threshold": 96}).persistence
-    assert [s.name for s in PartitionPlan.build(infos, 4, 0, **wide).replicated] == ["b1", "b2", "g"]
-    assert not PartitionPlan.build(infos, 4, 0, persist_below=100_000, persist_total=0).replicated
-    assert len(PartitionPlan.build(infos, 4, 0, persist_below=100_000).replicated) == 6  # no cap: all whole
+    assert [s.name for s in PartitionPlan.build(infos, 4, 0, persistence=wide).replicated] == ["b1", "b2", "g"]
+    assert not PartitionPlan.build(infos, 4, 0, persistence=Persistence(100_000, 0)).replicated
+    assert len(PartitionPlan.build(infos, 4, 0, persistence=Persistence(100_000)).replicated) == 6  # no cap: all whole
     shapes = {i.name: i.shape for i in infos}
     assert estimate_memory(shapes, 3, 4)["total"] == \
         estimate_memory(shapes, 3, 4, stage3_param_persistence_threshold=17, stage3_model_persistence_threshold=32)["total"]
@@ -114,14 +114,18 @@ def test_the_cap_keeps_a_small_model_sharded():
 
 def test_the_option_and_its_rules():
     assert ZeroConfig.from_arguments({"zero_stage": 3, "stage3_param_persistence_threshold": 100}).persistence == \
-        {"persist_below": 100, "persist_share": 0.01}
+        Persistence(100, None, 0.01)
     assert ZeroConfig.from_arguments({"zero_stage": 2, "stage3_param_persistence_threshold": 100}).persistence == \
-        {"persist_below": 0}
+        Persistence()
     assert ZeroConfig.from_arguments({"zero_stage": 3, "stage3_model_persistence_threshold": 5}).persistence == \
-        {"persist_below": 100_000, "persist_total": 5}
+        Persistence(100_000, 5)
     for bad in (-1, 1.5, True, "10"):
         with pytest.raises(ValueError, match=f"stage3_model_persistence_threshold must be an int >= 0, got {bad!r}"):
             ZeroConfig.from_arguments({"zero_stage": 3, "stage3_model_persistence_threshold": bad})
     for bad in (-1, 1.5, True, "1e5"):
         with pytest.raises(ValueError, match=f"stage3_param_persistence_threshold must be an int >= 0, got {bad!r}"):
             ZeroConfig.from_arguments({"zero_stage": 3, "stage3_param_persistence_threshold": bad})
+    with pytest.raises(ValueError, match="the share of the model kept whole must be a float in"):
+        Persistence(10, None, 2.0)
+    with pytest.raises(ValueError, match="persistence must be a Persistence"):
+        PartitionPlan.build(gpt_infos(), 4, 0, persistence={"persist_below": 10})
