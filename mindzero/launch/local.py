@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from .link import LinkNamespace, LinkShape, LinkUnavailable
-from .logs import first_failure, log_tail, log_text, rank_log, rank_output, record_ranks
+from .logs import fault_location, first_failure, log_tail, log_text, rank_log, rank_output, record_ranks
 
 # the directory holding this mindzero package (a source checkout or site-packages): workers import this copy
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
@@ -102,9 +102,10 @@ class MemoryLimitExceeded(LaunchError):
 
 def _env(extra=None) -> dict:
     # msrun starts workers with the `python` on PATH: make it this interpreter
+    # PYTHONFAULTHANDLER: a rank killed by a crash signal prints its Python stack, which the failure report names
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                PYTHONPATH=f"{PACKAGE_PARENT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               GLOG_v="3", MALLOC_MMAP_THRESHOLD_="1048576")
+               GLOG_v="3", MALLOC_MMAP_THRESHOLD_="1048576", PYTHONFAULTHANDLER="1")
     env.update(extra or {})  # the caller's values win
     return env
 
@@ -130,7 +131,8 @@ def _commands(launcher, script, world_size, nodes, out_dir, args, env, as_root=F
         raise FileNotFoundError("launcher='mpirun': no mpirun on PATH (install Debian's openmpi-bin; "
                                 "scripts/setup_env.sh does)")
     env["MS_SCHED_PORT"] = str(port)
-    exported = [x for name in ("PATH", "PYTHONPATH", "GLOG_v", "MALLOC_MMAP_THRESHOLD_", "MS_SCHED_PORT",
+    exported = [x for name in ("PATH", "PYTHONPATH", "GLOG_v", "MALLOC_MMAP_THRESHOLD_", "PYTHONFAULTHANDLER",
+                               "MS_SCHED_PORT",
                                *[k for k in env if k.startswith(("MS_", "MINDZERO_"))])
                 for x in ("-x", name)]
     root = ["--allow-run-as-root"] if as_root or (hasattr(os, "geteuid") and os.geteuid() == 0) else []
@@ -283,7 +285,9 @@ def _first_to_fail(out_dir, world_size: int, launcher_out: str, pid_ranks: dict,
     if first is None:
         raised = [r for r in range(world_size) if "Traceback" in log_text(out_dir, r)]
         first = ((raised or missing or [0])[0], "raised" if raised else "did not finish")
-    return first
+    rank, how = first
+    where = fault_location(log_text(out_dir, rank))
+    return (rank, f"{how}; {where}") if where else first
 
 
 def msrun(script, world_size: int, out_dir, args=(), timeout: float = 900.0, **options) -> Path:

@@ -3,7 +3,13 @@ that failed first by the launchers' own reports, and what a rank printed."""
 from __future__ import annotations
 
 import re
+import signal
 from pathlib import Path
+
+#: what a rank's death by these signals usually means (the launcher's report names it)
+SIGNAL_CAUSES = {"SIGKILL": "sent by the kernel's out-of-memory killer when memory runs out, or by a user",
+                 "SIGSEGV": "a crash in native code", "SIGABRT": "an abort in native code",
+                 "SIGBUS": "a bad memory access in native code", "SIGTERM": "asked to stop (by a launcher or a user)"}
 
 
 def record_ranks(pids, ranks: dict) -> None:
@@ -70,18 +76,47 @@ def first_failure(launcher_out: str, pid_ranks: dict):
     for stamp, pid, code in _MSRUN_EXIT.findall(launcher_out):
         if int(pid) in pid_ranks:
             code = int(code)
-            how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+            how = f"killed by {describe_signal(-code)}" if code < 0 else f"exit status {code}"
             seen.append((stamp, pid_ranks[int(pid)], how))
     if seen:
         _, rank, how = min(seen)
         return rank, how
     m = _MPI_SIGNAL.search(launcher_out)
     if m:
-        return int(m.group(1)), f"killed by signal {m.group(2)}"
+        return int(m.group(1)), f"killed by {describe_signal(int(m.group(2)))}"
     m = _MPI_EXIT.search(launcher_out)
     if m:
         return int(m.group(1)), f"exit status {m.group(2)}"
     return None
+
+
+def describe_signal(number: int) -> str:
+    """``"signal 11 (SIGSEGV: a crash in native code)"``."""
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+    cause = SIGNAL_CAUSES.get(name)
+    return f"signal {number} ({name}: {cause})" if cause else f"signal {number} ({name})"
+
+
+_FAULT = re.compile(r"^Fatal Python error: (.+)$", re.M)
+_FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)', re.M)
+
+
+def fault_location(text: str, frames: int = 4) -> str:
+    """Where a rank's Python was when a signal killed it, from the stack ``faulthandler`` printed
+    (``PYTHONFAULTHANDLER=1``, set by :mod:`mindzero.launch.local` for every rank): the innermost ``frames`` of
+    the thread that faulted, innermost first, e.g. ``"Segmentation fault in crash (worker.py:12) <- first_step
+    (worker.py:20)"``; ``""`` without such a stack (a SIGKILL leaves none)."""
+    fault = _FAULT.search(text)
+    if fault is None:
+        return ""
+    after = text[fault.end():]
+    stack = after.split("\n\n")[0] if "Current thread" not in after else after[after.index("Current thread"):]
+    found = _FRAME.findall(stack.split("\n\n")[0])
+    where = " <- ".join(f"{func} ({Path(path).name}:{line})" for path, line, func in found[:frames])
+    return f"{fault.group(1).strip()}" + (f" in {where}" if where else "")
 
 
 def rank_output(out_dir, rank: int = 0) -> str:

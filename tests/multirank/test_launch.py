@@ -1,5 +1,6 @@
 """Launch the way users do: msrun on two loopback "nodes", mpirun through ``mindzero.launch``,
-and a rank that dies (exception or ``kill -9``) ends the job, naming that rank, in bounded time.
+and a rank that dies (exception, ``kill -9``, a crash in native code) ends the job, naming that rank, the signal and
+where it died, in bounded time.
 
 The parity worker runs under each launcher (mixed net: plain DP and stages 0-3, the
 collectives and the plan-mismatch check), so the launchers are checked by training results,
@@ -58,7 +59,7 @@ def test_training_equals_plain_data_parallel(run, stage):
 
 
 @pytest.mark.parametrize("launcher,nodes,n,victim,mode", [
-    ("msrun", 1, 2, 1, "kill"),
+    ("msrun", 1, 2, 1, "segv"),
     pytest.param("msrun", 2, 4, 3, "raise", marks=pytest.mark.full),   # a rank on the second "node"
     ("mpirun", 1, 2, 1, "kill"),
 ])
@@ -70,8 +71,12 @@ def test_dead_rank_ends_the_job_naming_it(tmp_path, launcher, nodes, n, victim, 
                nodes=nodes, launcher=launcher, env={"MS_NODE_TIMEOUT": str(NODE_TIMEOUT)})
     took = time.time() - float((tmp_path / f"rank_{victim}" / "death").read_text())
     text = str(err.value)
-    how = "killed by signal 9" if mode == "kill" else "exit status 1"
-    assert f"rank {victim} failed first ({how})" in text, text
+    how = {"kill": "killed by signal 9 (SIGKILL: sent by the kernel's out-of-memory killer",
+           "segv": "killed by signal 11 (SIGSEGV: a crash in native code); Segmentation fault in string_at",
+           "raise": "exit status 1"}[mode]
+    assert f"rank {victim} failed first ({how}" in text, text
+    if mode == "segv":  # where it died: the worker's function that crashed, from the rank's faulthandler stack
+        assert "<- first_step (worker_fail.py:" in text, text
     assert "timed out" not in text.split("\n")[0], text  # ended by the launcher, not by our timeout
     assert took < DEATH_BOUND, f"the job took {took:.0f}s to end after rank {victim} died"
     if mode == "raise":

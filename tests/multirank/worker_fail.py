@@ -1,7 +1,9 @@
 """A worker that fails on purpose on rank ``--victim`` (default: the last) after one collective:
-``--mode raise`` raises, ``--mode kill`` SIGKILLs itself, ``--mode hang`` sleeps; the other ranks
-meanwhile wait in a second collective, as a training step would."""
+``--mode raise`` raises, ``--mode kill`` SIGKILLs itself (as the kernel's out-of-memory killer would),
+``--mode segv`` crashes in native code (a read of address 0) inside ``first_step``, ``--mode hang`` sleeps; the
+other ranks meanwhile wait in a second collective, as a training step would."""
 import argparse
+import ctypes
 import os
 import signal
 import time
@@ -13,8 +15,15 @@ from mindspore.communication import get_group_size, get_rank
 from tests.support.worker import start
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--mode", choices=("raise", "kill", "hang"), required=True)
+ap.add_argument("--mode", choices=("raise", "kill", "segv", "hang"), required=True)
 ap.add_argument("--victim", type=int, default=-1)
+
+
+def first_step():
+    """Where the crash happens (the failure report names this frame)."""
+    ctypes.string_at(0)
+
+
 worker = start(ap)
 args = worker.args
 allreduce = ops.AllReduce()
@@ -26,6 +35,8 @@ if get_rank() == args.victim % get_group_size():
         raise RuntimeError(f"deliberate failure on rank {get_rank()}")
     if args.mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if args.mode == "segv":
+        first_step()
     time.sleep(3600)
 allreduce(x).asnumpy()  # the survivors wait here for the victim
 worker.finish()

@@ -3,7 +3,7 @@ launcher reports (which rank failed first): pure logic, no MindSpore, no process
 import pytest
 
 from mindzero.launch.mpi import cluster_env, job_port, launcher_rank
-from mindzero.launch.logs import first_failure
+from mindzero.launch.logs import describe_signal, fault_location, first_failure
 
 
 def test_openmpi_pmi_and_slurm_variables():
@@ -46,14 +46,15 @@ def test_first_failure_picks_the_earliest_msrun_report():
            "exception. Error code: -15.\n"
            "[ERROR] ME(3:4,MainProcess):2026-11-21-10:16:17.825.000 [x.py:365] Worker process 41 exit with "
            "exception. Error code: -9.\n")
-    assert first_failure(out, {40: 0, 41: 3}) == (3, "killed by signal 9")
+    assert first_failure(out, {40: 0, 41: 3}) == (3, "killed by signal 9 (SIGKILL: sent by the kernel's "
+                                                     "out-of-memory killer when memory runs out, or by a user)")
     assert first_failure(out.replace("-9.", "1."), {40: 0, 41: 3}) == (3, "exit status 1")
     assert first_failure(out, {}) is None  # unknown pids: the caller falls back to the logs
 
 
 def test_first_failure_reads_mpirun_reports():
-    assert first_failure("mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 9 (Killed).",
-                         {}) == (1, "killed by signal 9")
+    assert first_failure("mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 11 "
+                         "(Segmentation fault).", {}) == (1, "killed by signal 11 (SIGSEGV: a crash in native code)")
     text = "The first process to do so was:\n\n  Process name: [[32749,1],1]\n  Exit code:    1\n"
     assert first_failure(text, {}) == (1, "exit status 1")
 
@@ -88,3 +89,26 @@ def test_rank0_keeps_the_scheduler_when_the_script_exits_cleanly(monkeypatch, tm
     with pytest.raises(type(ending)):
         launch.main(["--log-dir", str(tmp_path), "script.py"])
     assert Scheduler.kills == int(killed)
+
+
+FAULT = """[INFO] DISTRIBUTED(1,2,python):2026-11-27 ... Start] Event base dispatch success!
+Fatal Python error: Segmentation fault
+
+Current thread 0x00007f5e6f3deb80 (most recent call first):
+  File "/usr/lib/python3.11/ctypes/__init__.py", line 519 in string_at
+  File "/repo/tests/multirank/worker_fail.py", line 30 in crash
+  File "/repo/tests/multirank/worker_fail.py", line 35 in first_step
+  File "/repo/tests/multirank/worker_fail.py", line 40 in <module>
+
+Extension modules: numpy.core._multiarray_umath, mindspore._c_expression (total: 2)
+"""
+
+
+def test_a_crashed_ranks_place_is_read_from_its_faulthandler_stack():
+    assert fault_location(FAULT) == ("Segmentation fault in string_at (__init__.py:519) <- crash (worker_fail.py:30) "
+                                     "<- first_step (worker_fail.py:35) <- <module> (worker_fail.py:40)")
+    assert fault_location(FAULT, frames=2) == \
+        "Segmentation fault in string_at (__init__.py:519) <- crash (worker_fail.py:30)"
+    assert fault_location("Traceback (most recent call last):\n  File \"x.py\", line 1 in f\n") == ""  # no fault
+    assert describe_signal(15) == "signal 15 (SIGTERM: asked to stop (by a launcher or a user))"
+    assert describe_signal(10) == "signal 10 (SIGUSR1)" and describe_signal(99) == "signal 99"
