@@ -376,9 +376,8 @@ class ZeroConfig:
     ema: Optional[EmaPolicy] = None
     fusion: "FusionConfig" = None  # None: FusionConfig() (no fusion)
     groups: GroupPolicy = field(default_factory=GroupPolicy)
-    optimizer_offload: object = False  # False, True / "host", "disk": offload.tier says which
     stage3: Stage3Policy = field(default_factory=Stage3Policy)
-    offload: OffloadPolicy = None  # None: OffloadPolicy.parse(optimizer_offload)
+    offload: OffloadPolicy = None  # None: no offload; OffloadPolicy.parse(optimizer_offload, offload_dir, ...)
 
     def __post_init__(self):
         if self.precision is None:
@@ -396,7 +395,7 @@ class ZeroConfig:
         for name in ("clip_grad", "drop_overflow_update", "verbose"):
             require_bool(name, getattr(self, name))
         if self.offload is None:
-            object.__setattr__(self, "offload", OffloadPolicy.parse(self.optimizer_offload))
+            object.__setattr__(self, "offload", OffloadPolicy.parse(False))
         if not isinstance(self.offload, OffloadPolicy):
             raise ValueError(f"offload must be an OffloadPolicy, got {self.offload!r}")
         self.offload.check_stage(self.zero_stage)
@@ -440,7 +439,6 @@ class ZeroConfig:
                           loss_scale=LossScale.parse(a["scale_sense"]), ema=EmaPolicy.parse(a["ema"], a["updates"]),
                           fusion=parse_comm_fusion(a["comm_fusion"]),
                           groups=GroupPolicy(a["optimizer_parallel_group"], a["dp_group"], a["hybrid_shard_size"]),
-                          optimizer_offload=a["optimizer_offload"],
                           offload=OffloadPolicy.parse(a["optimizer_offload"], a["offload_dir"], a["offload_chunk_mb"],
                                                       a["offload_keep"]),
                           stage3=Stage3Policy(a["stage3_regather"], a["shard_frozen"],

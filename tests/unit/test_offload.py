@@ -70,8 +70,7 @@ def test_expected_bytes_with_disk_offload():
     for accumulate in (False, True):
         k = 2 if accumulate else 1
         mem = expected_bytes(plan, ZeroConfig(zero_stage=3, gradient_accumulation_steps=k), updates)
-        disk = ZeroConfig(zero_stage=3, gradient_accumulation_steps=k, optimizer_offload="disk",
-                          offload=OffloadPolicy.parse("disk", "/x", 1))
+        disk = ZeroConfig(zero_stage=3, gradient_accumulation_steps=k, offload=OffloadPolicy.parse("disk", "/x", 1))
         off = expected_bytes(plan, disk, updates)
         assert mem["optimizer_moments"] == 2 * 4 * (75000 + 2)
         assert off["optimizer_disk"] == 2 * 300032 + 2 * 64  # each state of a piece 64-byte aligned
