@@ -454,8 +454,10 @@ def check_option(key: str, value) -> None:
     Raises:
         ValueError: naming the option, the value and the rule.
     """
-    companions = {"offload_dir": {"optimizer_offload": "disk"}, "optimizer_offload": {"offload_dir": "."}}
-    needs = companions.get(key, {}) if key != "optimizer_offload" or value == "disk" else {}
+    if key == "optimizer_offload":  # its companion offload_dir is checked with it (the settings' pair rule)
+        OffloadPolicy.tier_of(value)
+        return
+    needs = {"optimizer_offload": "disk"} if key == "offload_dir" else {}  # the only tier offload_dir is for
     ZeroConfig.from_arguments({**_CHECK_ALONE, **needs, key: value})
 
 

@@ -61,20 +61,28 @@ class OffloadPolicy:
     keep: bool = False
 
     @staticmethod
+    def tier_of(optimizer_offload):
+        """The tier ``optimizer_offload`` names: ``None``, ``"host"`` or ``"disk"``.
+
+        Raises:
+            ValueError: naming the option, the value and the rule.
+        """
+        if optimizer_offload is False or optimizer_offload is None:
+            return None
+        if optimizer_offload is True:
+            return "host"
+        if isinstance(optimizer_offload, str) and optimizer_offload in OFFLOAD_TIERS:
+            return optimizer_offload
+        raise ValueError(f"optimizer_offload must be a bool, 'host' or 'disk', got {optimizer_offload!r}")
+
+    @staticmethod
     def parse(optimizer_offload, offload_dir=None, chunk_mb=DEFAULT_CHUNK_MB, keep=False) -> "OffloadPolicy":
         """The policy of ``prepare_train_network``'s four offload options.
 
         Raises:
             ValueError: naming the option, the value and the rule.
         """
-        if optimizer_offload is False or optimizer_offload is None:
-            tier = None
-        elif optimizer_offload is True:
-            tier = "host"
-        elif isinstance(optimizer_offload, str) and optimizer_offload in OFFLOAD_TIERS:
-            tier = optimizer_offload
-        else:
-            raise ValueError(f"optimizer_offload must be a bool, 'host' or 'disk', got {optimizer_offload!r}")
+        tier = OffloadPolicy.tier_of(optimizer_offload)
         if tier == "disk":
             if offload_dir is None or not isinstance(offload_dir, (str, os.PathLike)) or str(offload_dir) == "":
                 raise ValueError(f"offload_dir must be a directory path when optimizer_offload='disk', got "
