@@ -36,18 +36,13 @@ import sys
 
 from .config import MixedPrecision, ZeroConfig, stage_policy
 from .memory import KINDS, expected_bytes
-from .offload import DEFAULT_CHUNK_MB
+from .offload import DEFAULT_CHUNK_MB, SPLITTABLE_MODELS
 from .optim_plan import (OPTIMIZER_MODELS, OWNER, MeasuredModel, OptimizerModel, balance, every_rank_bytes,
                          planned_updates)
 from .checks import is_int, require_int
 from .introspect import param_infos
 from .options import ARGUMENT_DEFAULTS
 from .plan import ParamInfo, PartitionPlan
-
-#: the optimizers (of OPTIMIZER_MODELS) whose parameters disk offload cuts into pieces
-#: (mindzero.engine.offload.SPLITTABLE_OPTIMIZERS, by class: tests/unit/test_estimate.py ties the two)
-SPLITTABLE = ("adamw", "sgd", "momentum", "mint.adam", "mint.adam_amsgrad", "mint.sgd")
-
 
 def paper_formula(phi: int, stage: int, op_size: int, mixed_precision: bool = True, n_states: int = 2) -> dict:
     """The ZeRO paper's per-rank bytes by kind for ``phi`` parameters (mixed precision: fp16 parameters
@@ -138,7 +133,8 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
     updates = planned_updates(optimized, model, policy.shard_optimizer_states, op_size,
                               lambda s: s.numel * (4 if precision.enabled else s.itemsize) if keeps_master else 0)
     by_name = {s.name: u for s, u in zip(optimized, updates)}
-    ranks = [expected_bytes(plan, config, by_name, r, split_pieces=key in SPLITTABLE) for r in range(op_size)]
+    split = key in SPLITTABLE_MODELS or getattr(model, "splittable", False)  # disk offload cuts into pieces
+    ranks = [expected_bytes(plan, config, by_name, r, split_pieces=split) for r in range(op_size)]
     for r in ranks:
         r["total"] = sum(r[k] for k in KINDS) + r.get("offload_buffers", 0)
     out = max(ranks, key=lambda r: r["total"])  # the most loaded rank (owner mode: ranks differ)

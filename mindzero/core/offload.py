@@ -49,6 +49,23 @@ class OffloadError(OSError):
     """The offload directory cannot hold the states (missing, not writable, not enough space), or its file failed."""
 
 
+#: The optimizers whose parameters disk offload cuts into pieces, by class (qualified name), with the names
+#: ``estimate_memory`` knows them by (:data:`mindzero.core.optim_plan.OPTIMIZER_MODELS`): one table for the
+#: offload (:func:`mindzero.engine.offload.splits_parameters`) and the estimates.
+#: Measured on CPU (tests/single/test_offload.py, 4096-element pieces of 13000- and 26000-element shards):
+#: bit-identical. Not nn.Adam: its fused ApplyAdam kernel splits a tensor between threads and computes each
+#: thread's last elements with scalar code, the rest 8 lanes at a time with FMA, so an element at a thread boundary
+#: of the whole tensor gets another last bit in a piece (measured: element 2184 of a 4369-element parameter; 68 of
+#: 26000). Every other optimizer is streamed a whole parameter at a time.
+SPLITTABLE_OPTIMIZERS = {
+    "mindspore.nn.optim.adam.AdamWeightDecay": ("adamw",),
+    "mindspore.nn.optim.sgd.SGD": ("sgd",),
+    "mindspore.nn.optim.momentum.Momentum": ("momentum",),
+    "mindspore.mint.optim.adam.Adam": ("mint.adam", "mint.adam_amsgrad"),
+    "mindspore.mint.optim.sgd.SGD": ("mint.sgd",),
+}
+SPLITTABLE_MODELS = frozenset(name for names in SPLITTABLE_OPTIMIZERS.values() for name in names)
+
 @dataclass(frozen=True)
 class OffloadPolicy:
     """Where the optimizer states live: ``tier`` ``None`` (memory), ``"host"`` (the update primitive on the host:

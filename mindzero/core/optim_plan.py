@@ -220,6 +220,7 @@ class MeasuredModel:
 
     by_name: dict
     label: str = "the optimizer"
+    splittable: bool = False  # disk offload may cut its parameters into pieces (core.offload.SPLITTABLE_OPTIMIZERS)
 
     def states_of(self, spec) -> tuple:
         return self.by_name[spec.name][1]

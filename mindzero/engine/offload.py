@@ -36,21 +36,12 @@ from ..core.plan import dtype_bytes
 from ..core.offload import ALIGN_BYTES, SLOTS, OffloadError, OffloadPolicy, StateFile, StateLayout, check_directory, states_at
 from .materialize import np_dtype
 from ..core.optim_plan import ELEMENT, FLAT, WHOLE
+from ..core.offload import SPLITTABLE_OPTIMIZERS
 from .optim import qualified_name
 from .probe import optimizer_view, signature
 
 #: optimizers whose update gives each element the same bits whatever piece of the parameter it is computed in, so
 #: disk offload may cut their parameters into pieces (at multiples of 4096 elements, memory 64-byte aligned).
-#: Measured on CPU (tests/single/test_offload.py, 4096-element pieces of 13000- and 26000-element shards):
-#: bit-identical. Not nn.Adam: its fused ApplyAdam kernel splits a tensor between threads and computes each
-#: thread's last elements with scalar code, the rest 8 lanes at a time with FMA, so an element at a thread boundary
-#: of the whole tensor gets another last bit in a piece (measured: element 2184 of a 4369-element parameter; 68 of
-#: 26000). Every other optimizer is streamed a whole parameter at a time.
-SPLITTABLE_OPTIMIZERS = ("mindspore.nn.optim.adam.AdamWeightDecay", "mindspore.nn.optim.sgd.SGD",
-                         "mindspore.nn.optim.momentum.Momentum", "mindspore.mint.optim.adam.Adam",
-                         "mindspore.mint.optim.sgd.SGD")
-
-
 def splits_parameters(optimizer) -> bool:
     """Whether disk offload may cut ``optimizer``'s parameters into pieces (:data:`SPLITTABLE_OPTIMIZERS`)."""
     return qualified_name(type(optimizer)) in SPLITTABLE_OPTIMIZERS

@@ -42,9 +42,10 @@ import logging
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn
 
+from ..core.offload import SPLITTABLE_OPTIMIZERS
 from ..core.optim_plan import ELEMENT, FLAT, OTHER, OWNER, WHOLE, MeasuredModel, Update
 from .materialize import is_lazy, np_dtype
-from .optim import OPTIMIZER_BASES, OptimizerLayout, family
+from .optim import OPTIMIZER_BASES, OptimizerLayout, family, qualified_name
 
 logger = logging.getLogger("mindzero")
 
@@ -122,7 +123,8 @@ def measured_model(layout: OptimizerLayout, specs) -> MeasuredModel:
     sharded = [dataclasses.replace(s, sharded=True, reason="") for s in specs]
     decided = decide_modes(layout, sharded, True)
     return MeasuredModel({s.name: (mode == FLAT, states) for s, (mode, _, states) in zip(specs, decided)},
-                         type(layout.optimizer).__name__)
+                         type(layout.optimizer).__name__,
+                         qualified_name(type(layout.optimizer)) in SPLITTABLE_OPTIMIZERS)
 
 
 def with_owners(decided, owners) -> tuple:

@@ -213,3 +213,16 @@ def test_estimate_memory_agrees_with_the_run(tmp_path):
     rep = mindzero.memory_report(step)
     for key in ("optimizer_disk", "disk_io_per_step", "offload_buffers", "gradients", "optimizer_states"):
         assert est[key] == rep[key], (key, est[key], rep[key])
+
+
+def test_the_splittable_table_names_real_classes():
+    """core/offload.SPLITTABLE_OPTIMIZERS (the one table the offload and the estimates read) names classes
+    MindSpore has, by the name the offload compares."""
+    import importlib
+
+    from mindzero.core.offload import SPLITTABLE_OPTIMIZERS
+    from mindzero.engine.optim import qualified_name
+
+    for name in SPLITTABLE_OPTIMIZERS:
+        module, _, cls = name.rpartition(".")
+        assert qualified_name(getattr(importlib.import_module(module), cls)) == name, name

@@ -127,3 +127,14 @@ def test_state_file_round_trips_and_leaves_no_cache(tmp_path):
     assert kept.path.exists()
     with pytest.raises(FileExistsError):  # never over another run's file
         StateFile(tmp_path / "k.bin", 4096)
+
+
+def test_one_table_of_splittable_optimizers_for_the_offload_and_the_estimates():
+    """Disk offload cuts the parameters of these classes into pieces; estimate_memory knows them by these names,
+    each a model of OPTIMIZER_MODELS (the classes themselves are checked to exist in tests/single/test_offload.py)."""
+    from mindzero.core.offload import SPLITTABLE_MODELS, SPLITTABLE_OPTIMIZERS
+    from mindzero.core.optim_plan import OPTIMIZER_MODELS
+
+    assert SPLITTABLE_MODELS <= set(OPTIMIZER_MODELS), SPLITTABLE_MODELS - set(OPTIMIZER_MODELS)
+    assert "adam" not in SPLITTABLE_MODELS  # nn.Adam's fused kernel rounds a piece's thread boundary differently
+    assert all(k.startswith("mindspore.") and names for k, names in SPLITTABLE_OPTIMIZERS.items())
