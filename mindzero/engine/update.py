@@ -49,8 +49,9 @@ class GatherInto(nn.Cell):
 
 
 class _OwnerBroadcast(nn.Cell):
-    """One owner's broadcast of its updated parameters of one dtype (a ``broadcasts``
-    :class:`~mindzero.core.state.CommBucket`): the owner sends what it updated (cast to the network's dtype),
+    """One bucket of an owner's updated parameters of one dtype (a ``broadcasts``
+    :class:`~mindzero.core.state.CommBucket`, at most :data:`~mindzero.core.comm_plan.BROADCAST_BUCKET_BYTES`
+    unless ``comm_fusion`` sets the allgather bucket): the owner sends what it updated (cast to the network's dtype),
     every other rank receives into its own copy (stages 1-2) or a zero buffer of the full shape (stage 3); then
     every rank writes the value, or at stage 3 its shard of it, into the network's tensor."""
 

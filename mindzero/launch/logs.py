@@ -113,8 +113,8 @@ def fault_location(text: str, frames: int = 4) -> str:
     if fault is None:
         return ""
     after = text[fault.end():]
-    stack = after.split("\n\n")[0] if "Current thread" not in after else after[after.index("Current thread"):]
-    found = _FRAME.findall(stack.split("\n\n")[0])
+    start = after.find("Current thread")  # the faulting thread's stack, when other threads are listed before it
+    found = _FRAME.findall((after[start:] if start >= 0 else after).split("\n\n")[0])
     where = " <- ".join(f"{func} ({Path(path).name}:{line})" for path, line, func in found[:frames])
     return f"{fault.group(1).strip()}" + (f" in {where}" if where else "")
 
