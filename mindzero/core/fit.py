@@ -208,7 +208,8 @@ def transient_bytes(full_gradient_bytes: int, stage: int, block_bytes: int, rega
 
 def recommend(predictions, budget: float):
     """``(best, reason)``: among the predictions that fit ``budget`` (bytes), the one with the fewest wire bytes
-    per step (ties: the lower peak).
+    per step; ties go to fewer micro-steps, then the lower stage (stage 3 with the same traffic puts its gathers
+    on the forward's critical path), then the lower peak.
 
     Raises:
         ValueError: nothing fits; the message names the smallest predicted peak and its configuration.
@@ -221,7 +222,7 @@ def recommend(predictions, budget: float):
         low = min(preds, key=lambda p: p.peak)
         raise ValueError(f"budget={budget / GIB:.2f} GiB per rank: no configuration fits; the smallest predicted "
                          f"peak is {low.peak / GIB:.2f} GiB ({low.label})")
-    best = min(fits, key=lambda p: (round(p.wire_bytes), p.accumulation, p.peak))  # fewer micro-steps: less time
+    best = min(fits, key=lambda p: (round(p.wire_bytes), p.accumulation, p.options.get("zero_stage", 0), p.peak))
     cheaper = [p for p in preds if p.wire_bytes < best.wire_bytes]
     why = (f"fits {best.peak / GIB:.2f} GiB of {budget / GIB:.2f} GiB with the fewest bytes on the wire "
            f"({best.wire_bytes / MIB:.0f} MiB per step)")

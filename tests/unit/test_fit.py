@@ -74,6 +74,15 @@ def test_the_recommendation_is_the_least_traffic_that_fits_and_says_what_was_giv
     assert "stage 2 sends less (400 MiB) but needs 4.88 GiB" in why
 
 
+def test_equal_traffic_goes_to_the_lower_stage_whatever_the_peaks():
+    # stage 2 and stage 3 without the backward re-gather send the same bytes; their rehearsed peaks differ by noise
+    preds = [_pred(3, 231, 1, stage3_regather=False), _pred(2, 237, 1)]
+    best, _ = recommend(preds, 4000 * MIB)
+    assert best is preds[1]
+    best, _ = recommend(preds, 234 * MIB)  # only stage 3 fits
+    assert best is preds[0]
+
+
 def test_nothing_fits_names_the_smallest_peak_and_its_configuration():
     preds = [_pred(0, 9000, 400), _pred(3, 3000, 600, gather_quantization="int8")]
     with pytest.raises(ValueError, match=r"budget=1.00 GiB per rank: no configuration fits; the smallest predicted "
