@@ -132,13 +132,13 @@ def _depend_on(after, x):
     return ops.depend(x, after)
 
 
-def _in_order(token, x):
-    """``x``, ordered after the last collective :func:`_after_collective` recorded in ``token`` (the note in
+def in_order(token, x):
+    """``x``, ordered after the last collective :func:`after_collective` recorded in ``token`` (the note in
     :mod:`mindzero.engine.train_step`): it depends on a read of ``token`` (a load after every earlier write)."""
     return ops.depend(x, token + 0)
 
 
-def _after_collective(token, out):
+def after_collective(token, out):
     """``out``, recorded in ``token`` as the last collective issued, so the next one waits for it."""
     return ops.depend(out, ops.assign(token, ops.depend(token + 1, out)))
 
@@ -148,8 +148,8 @@ def _gather_unit(after, token, fulls, shards, gather, positions, bucket):
     """After ``after`` and the previous collective (``token``): one bucket's all-gather of updated master shards into
     their full parameters (in the parameters' dtype: a bucket has one)."""
     held = pick(fulls, positions)
-    shards = MAP(ops.partial(depend_on, _in_order(token, after)), pick(shards, positions))
-    values = _after_collective(token, gather(MAP(ops.partial(cast_to, held[0].dtype), shards), bucket))
+    shards = MAP(ops.partial(depend_on, in_order(token, after)), pick(shards, positions))
+    values = after_collective(token, gather(MAP(ops.partial(cast_to, held[0].dtype), shards), bucket))
     return MAP(write_gathered, held, values)
 
 
@@ -157,8 +157,8 @@ def _gather_unit(after, token, fulls, shards, gather, positions, bucket):
 def _gather_write(after, token, gather, full, shard):
     """After ``after`` and the previous collective (``token``): one all-gather of an updated master shard into its
     full parameter (mixed precision: in param_dtype, half the bytes of fp32)."""
-    shard = _in_order(token, ops.depend(shard, after))
-    return _write_gathered(full, _after_collective(token, gather(_cast_to(full.dtype, shard))))
+    shard = in_order(token, ops.depend(shard, after))
+    return _write_gathered(full, after_collective(token, gather(_cast_to(full.dtype, shard))))
 
 
 @write_gathered.register("Tensor", "Tensor")
@@ -191,7 +191,7 @@ def _owner_grad(token, gather, g, kind, numel, shape, stand_in):
     collective (``token``)."""
     if kind == 0:
         return g
-    full = _after_collective(token, gather(_in_order(token, g)))
+    full = after_collective(token, gather(in_order(token, g)))
     if kind == 1:
         if full.shape[0] != numel:
             full = full[:numel]

@@ -15,8 +15,8 @@ from ..comm.cells import AllGather, Bucket, FusedAllGather
 from ..core.optim_plan import OWNER, placeholder_shape
 from ..core.state import CAST, GATHER, ZeroState
 from ..core.topology import World
-from .kernels import (MAP, broadcast_input, broadcast_write, gather_unit, gather_write, owner_grad, refresh,
-                      write_cast)
+from .kernels import (MAP, after_collective, broadcast_input, broadcast_write, gather_unit, gather_write, in_order,
+                      owner_grad, refresh, write_cast)
 
 
 class GatherInto(nn.Cell):
@@ -68,14 +68,17 @@ class _OwnerBroadcast(nn.Cell):
         self.paddings = tuple(ps.spec.padding for ps in params)
         self.sharded = state.config.policy.shard_parameters
         self.op_rank, self.op_size = world.op_rank, world.op_size
+        self.token = state.order
 
     def construct(self, after):
-        values = MAP(ops.partial(broadcast_input, after, self.sharded), self.mine, self.shapes, self.sources,
-                     self.helds)
+        # after the previous collective (``token``): a non-owner's input does not depend on the update, and
+        # inside the update's branch ``after`` is a constant, so nothing else orders it
+        values = MAP(ops.partial(broadcast_input, in_order(self.token, after), self.sharded), self.mine,
+                     self.shapes, self.sources, self.helds)
         out = self.op(values, self.bucket)
         done = MAP(ops.partial(broadcast_write, self.op_rank, self.op_size, self.sharded), self.paddings, self.helds,
                    out)
-        return ops.depend(after, done)
+        return ops.depend(after, after_collective(self.token, done))
 
 
 class WriteBack(nn.Cell):
