@@ -617,7 +617,7 @@ def _owner_refs(name, stage):
     return refs + ([f"{name}-2"] if name == "came-accum" and stage == 3 else [])
 
 
-@scenarios(_owner_refs)
+@scenarios(lambda name, stage: _owner_refs(name, stage))  # a lambda: pytest takes a named function as the test
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("name", list(OWNER_FEATURES))
 def test_owner_mode_with_every_feature_equals_stage_0(run, name, stage):
