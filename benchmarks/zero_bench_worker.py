@@ -84,6 +84,8 @@ def parse_args():
     add_model_args(ap)
     ap.add_argument("--bucket-mib", type=float, default=0, help="comm_fusion bucket (MiB) for all kinds; 0: off")
     ap.add_argument("--no-regather", action="store_true")
+    ap.add_argument("--split-compile", action="store_true",
+                    help="compile the step (Cell.compile) before the first step and time the two apart")
     ap.add_argument("--fp16", action="store_true", help="fp16 compute (AMP O2; LayerNorm in fp32); ZeRO configs also "
                     "hold fp16 parameters with fp32 masters (param_dtype=float16), plain DP keeps fp32 parameters")
     ap.add_argument("--lazy", action="store_true", help="build the model under mindzero.lazy_init()")
@@ -229,10 +231,15 @@ def main():
     trainable = sum(int(np.prod(p.shape)) for p in opt.parameters) if a.config == "dp" else \
         sum(s.numel for s in train.zero_info.plan if s.optimized)
     rng = np.random.RandomState(world.world_rank)
-    times, losses, overflows = [], [], 0
+    times, losses, overflows, compile_s = [], [], 0, None
     for i in range(1 + a.steps):
         tokens = rng.randint(0, a.vocab, size=(a.batch, a.seq + 1)).astype(np.int32)
         x, y = Tensor(tokens[:, :-1]), Tensor(tokens[:, 1:])
+        if i == 0 and a.split_compile:  # the graph alone, then its first execution (the step's collectives' first run)
+            t = time.perf_counter()
+            train.compile(x, y)
+            compile_s = time.perf_counter() - t
+            phases.end("compile")
         t = time.perf_counter()
         out = train(x, y)
         loss = float((out if a.config == "dp" else out[0]).asnumpy())
@@ -246,7 +253,8 @@ def main():
         phases.end("steady")
     result = dict(config=a.config, world=world.world_size, rank=world.world_rank, phi=phi, trainable=trainable,
                   lora=a.lora, pretrained=bool(a.pretrained), lazy=a.lazy,
-                  first_step_s=times[0], times=times[1:], losses=losses, phases=phases.rows,
+                  first_step_s=times[0] + (compile_s or 0.0), compile_s=compile_s, first_execution_s=times[0],
+                  times=times[1:], losses=losses, phases=phases.rows,
                   bucket_mib=a.bucket_mib, regather=not a.no_regather, fp16=a.fp16, overflows=overflows,
                   model=dict(vocab=a.vocab, dim=a.dim, layers=a.layers, heads=a.heads, seq=a.seq, batch=a.batch))
     if a.config == "dp":
@@ -264,6 +272,7 @@ def main():
         result["memory_expected"] = {k: rep["expected"][k] for k in ("parameters", "gradients", "optimizer_states")}
         result["updates"], result["balance"] = rep["updates"], rep["balance"]
         result["comm"] = summarize(train.zero_info.calls)
+        result["distinct_kernels"] = len({(c.op, c.nbytes) for c in train.zero_info.calls})
         result["comm_real"] = summarize(train.zero_info.real_calls)
         disk = train.zero_info.offload
         if disk is not None:
