@@ -1,0 +1,97 @@
+"""Many launches of a short training run, to catch a rank that dies on the way to its first steps.
+
+    .venv/bin/python benchmarks/launch_soak.py [--launches 30] [--launchers msrun,mpirun] [--stages 1,2,3]
+        [--steps 20] [--out runs/launch_soak]
+
+Each launch trains examples/train_gpt.py (its stage-2 config's GPT, ``--stage`` cycling over ``--stages``,
+``--steps`` steps, from nothing) on 2 ranks, with ``mindzero.launch.local`` (``msrun``, or ``mpirun -n 2 python
+-m mindzero.launch``), Python's ``faulthandler`` on in every rank (the launcher sets ``PYTHONFAULTHANDLER``) and
+core dumps allowed (``RLIMIT_CORE`` unlimited; a core lands in the launch's directory with this machine's
+``core_pattern`` of ``core``). The launchers alternate, so a slow or busy minute of the machine touches both.
+
+Per launch: the launcher, the stage, seconds, and for a failed one the launcher's report (the rank that failed
+first, how: a signal with the Python stack ``faulthandler`` printed, an exception, a timeout) and any core file.
+Writes ``results.json`` and ``results.md`` under ``--out``; failed launches keep their directory, passed ones
+are removed (``--keep`` keeps all).
+"""
+import argparse
+import json
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from mindzero.launch.local import LaunchError, launch  # noqa: E402
+
+SCRIPT = ROOT / "examples" / "train_gpt.py"
+CONFIG = ROOT / "examples" / "configs" / "gpt_stage2.yaml"
+
+
+def one(i: int, launcher: str, stage: int, out: Path, a) -> dict:
+    run_dir = out / f"launch_{i:03d}_{launcher}_s{stage}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    args = ["--config", str(CONFIG), "--stage", str(stage), "--steps", str(a.steps), "--no-resume",
+            "--out", str(run_dir / "train")]
+    t = time.time()
+    row = dict(launch=i, launcher=launcher, stage=stage, ok=True, report="")
+    try:
+        launch(SCRIPT, 2, run_dir, args, timeout=a.timeout, launcher=launcher)
+    except LaunchError as err:
+        row.update(ok=False, report=str(err).split("\n--- ")[0])
+        row["cores"] = [str(p) for p in run_dir.rglob("core*") if p.is_file()]
+    row["seconds"] = round(time.time() - t, 1)
+    print(f"launch {i}: {launcher} stage {stage}: {'ok' if row['ok'] else 'FAILED: ' + row['report'][:300]} "
+          f"({row['seconds']}s)", flush=True)
+    if row["ok"] and not a.keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return row
+
+
+def markdown(rows) -> str:
+    lines = ["| launcher | launches | failed | seconds (median) |", "|---|---|---|---|"]
+    for launcher in sorted({r["launcher"] for r in rows}):
+        mine = [r for r in rows if r["launcher"] == launcher]
+        secs = sorted(r["seconds"] for r in mine)
+        lines.append(f"| {launcher} | {len(mine)} | {sum(not r['ok'] for r in mine)} | {secs[len(secs) // 2]} |")
+    failed = [r for r in rows if not r["ok"]]
+    if failed:
+        lines += ["", "Failed launches:", ""]
+        lines += [f"- launch {r['launch']} ({r['launcher']}, stage {r['stage']}): {r['report']}"
+                  + (f"; cores: {r['cores']}" if r.get("cores") else "") for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--launches", type=int, default=30, help="launches per launcher")
+    ap.add_argument("--launchers", default="msrun,mpirun")
+    ap.add_argument("--stages", default="1,2,3")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--keep", action="store_true", help="keep the directories of launches that passed")
+    ap.add_argument("--out", default="runs/launch_soak")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    except (ValueError, OSError):  # not allowed to raise the hard limit: as far as it goes
+        hard = resource.getrlimit(resource.RLIMIT_CORE)[1]
+        resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))
+    launchers, stages = a.launchers.split(","), [int(s) for s in a.stages.split(",")]
+    rows = []
+    for k in range(a.launches):
+        for j, launcher in enumerate(launchers):
+            i = k * len(launchers) + j
+            rows.append(one(i, launcher, stages[k % len(stages)], out, a))
+            (out / "results.json").write_text(json.dumps(rows, indent=1))  # a stopped soak keeps what it saw
+    text = markdown(rows)
+    (out / "results.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
