@@ -120,7 +120,7 @@ PERSISTS = [*(Scenario(f"persist-gpt-{stage}", "gpt", "sgd_decay", stage, PERSIS
 #: each row equals its stage-0 twin (``<name>-0``), plain DP is ``came-dp``
 OWNER_FEATURES = {"came": {}, "came-clip": CLIP, "came-overflow": {"scale_sense": DYNAMIC},
                   "came-accum": {"gradient_accumulation_steps": 4}, "came-mp": FP16, "came-ema": EMA}
-OWNER_DEFAULT = {"came": (1, 2, 3), "came-clip": (3,), "came-overflow": (2,), "came-accum": (2, 3), "came-mp": (1, 3),
+OWNER_DEFAULT = {"came": (2, 3), "came-clip": (3,), "came-overflow": (2,), "came-accum": (2, 3), "came-mp": (1, 3),
                  "came-ema": (3,)}
 
 
@@ -156,7 +156,9 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
     reduction with mp-mixed-1/2) and of the gpt and normed nets at stage 3 (the mlp's stays), fp16 of the gpt,
     resnet and lora nets at stages 1-2 and of the gpt and resnet at stage 3 (mp-mixed and mp-accum keep fp16 at
     every stage, mp-lora-3 frozen fp16 weights at stage 3, the hybrid launch's mp-h3 the gpt in fp16 at stage 3),
-    and the gather_units rows by size, on frozen weights and with param_dtype (:data:`UNITS`)."""
+    the gather_units rows by size, on frozen weights and with param_dtype (:data:`UNITS`), EMA at stages 1-2
+    (mp-accum-1/2 keep it), the mint.optim rows at stages 1-2 (their stages 0 and 3 stay) and plain owner mode at
+    stage 1 (the optimizer launch runs CAME at stages 1-3)."""
     full = world_size == 2
     some = (0, 1, 2, 3) if full else (0, 3)
     out = [Scenario(f"{model}-{stage}", model, opt, stage) for model, opt in MODEL_OPTIMIZERS
@@ -167,8 +169,9 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
                             force_overflow=True))
     for stage in ("dp", 0, 1, 2, 3):
         out.append(Scenario(f"accum-{stage}", "awkward", "adam", stage, {"gradient_accumulation_steps": 4}))
-    for stage in some:
-        out.append(Scenario(f"ema-{stage}", "mixed", "adamw_groups", stage, EMA))
+    for stage in some:  # stages 1-2's EMA (after the write-back gather) also runs in mp-accum-1/2
+        out.append(Scenario(f"ema-{stage}", "mixed", "adamw_groups", stage, EMA,
+                            tier=FULL if stage in (1, 2) else DEFAULT))
     for stage in (1, 3) if full else (3,):
         out.append(Scenario(f"offload-{stage}", "mixed", "adamw_groups", stage, {"optimizer_offload": True}))
     for model, opt in [m for m in MODEL_OPTIMIZERS if m[0] != "awkward"]:
@@ -220,10 +223,13 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
     # MindSpore's torch-style optimizers against the plain-DP reference loop (tests.support.worker.ReferenceStep):
     # Adam with AMSGrad and two groups; SGD with Nesterov momentum, accumulation and clipping on the tied GPT (not
     # the awkward net: mint.optim.SGD itself fails to compile on its 0-d parameter, "For 'Assign' ... dimension")
-    for stage in ("dp", *some):  # (4 ranks: stages 0 and 3, as the other features)
-        out.append(Scenario(f"mint-adam-{stage}", "mixed", "mint_adam", stage))
+    # (4 ranks: stages 0 and 3, as the other features; stages 1-2, whose flat update is every flat optimizer's,
+    # in the full tier: the optimizer launch runs mint's at stage 3 against plain DP too)
+    for stage in ("dp", *some):
+        tier = FULL if stage in (1, 2) else DEFAULT
+        out.append(Scenario(f"mint-adam-{stage}", "mixed", "mint_adam", stage, tier=tier))
         out.append(Scenario(f"mint-sgd-{stage}", "gpt", "mint_sgd", stage,
-                            {**CLIP, "gradient_accumulation_steps": 2}))
+                            {**CLIP, "gradient_accumulation_steps": 2}, tier=tier))
     out += owner_scenarios(full)
     names = {s.name for s in out}
     # 4 ranks: the default tier's rows whose reference runs there (real-3 is not in the reduced matrix)
