@@ -34,7 +34,7 @@ def one(i: int, launcher: str, stage: int, out: Path, a) -> dict:
     run_dir = out / f"launch_{i:03d}_{launcher}_s{stage}"
     shutil.rmtree(run_dir, ignore_errors=True)
     args = ["--config", str(CONFIG), "--stage", str(stage), "--steps", str(a.steps), "--no-resume",
-            "--out", str(run_dir / "train")]
+            "--out", str(run_dir)]  # the launcher waits for the markers the script writes there
     t = time.time()
     row = dict(launch=i, launcher=launcher, stage=stage, ok=True, report="")
     try:
