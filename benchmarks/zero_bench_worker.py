@@ -274,12 +274,12 @@ def main():
         result["comm"] = summarize(train.zero_info.calls)
         result["distinct_kernels"] = len({(c.op, c.nbytes) for c in train.zero_info.calls})
         result["comm_real"] = summarize(train.zero_info.real_calls)
-        disk = train.zero_info.offload
-        if disk is not None:
-            result["offload"] = dict(disk_bytes=disk.disk_bytes, buffer_bytes=disk.buffer_bytes,
-                                     grad_bytes=disk.grad_bytes, read_bytes=disk.update_io[0],
-                                     written_bytes=disk.update_io[1], update_s=disk.update_seconds,
-                                     pieces=len(disk.layout.pieces), views=disk.n_views, chunk_mb=a.chunk_mb)
+        if train.zero_info.offload is not None:
+            held, stream = train.states.bytes(), train.states.stream
+            result["offload"] = dict(disk_bytes=held["optimizer_disk"], buffer_bytes=held["offload_buffers"],
+                                     grad_bytes=held["gradients"], read_bytes=stream.update_io[0],
+                                     written_bytes=stream.update_io[1], update_s=stream.update_seconds,
+                                     pieces=len(stream.layout.pieces), views=stream.n_views, chunk_mb=a.chunk_mb)
     out = Path(a.out)
     (out / f"rank_{world.world_rank}.json").write_text(json.dumps(result, indent=1))
     from mindzero.launch.worker import finish_rank

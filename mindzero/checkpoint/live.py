@@ -59,12 +59,11 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
     net_params = {p.name: p for p in train_net.network.get_parameters()}
     for spec in info.plan:
         add(spec.name, "parameter", spec, net_params[spec.name])
-    disk = info.offload  # optimizer_offload="disk": the states are read from (and loaded into) its file
+    store = train_net.states  # where the states are (mindzero.engine.states): memory, or a file
     for i, ps in enumerate(info.params):
         owner = ps.update.owner if ps.update.mode == OWNER else None
         for st in ps.update.states:
-            value = None if owner not in (None, op_rank) else \
-                disk.state(st.attr, i) if disk is not None else layout.states[st.attr][i]
+            value = None if owner not in (None, op_rank) else store.state(st.attr, i)
             add(st.name, "optimizer_state", ps.spec, value, st.shape, st.dtype, owner,
                 whole=st.layout != ELEMENT or ps.update.mode != FLAT)
     if info.precision.enabled:  # the fp32 masters: not derivable from the param_dtype copies
@@ -76,9 +75,8 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
         for param_name, p in zip(info.opt_param_names, train_net.ema.ema_weights):
             add(p.name, "ema", info.plan[param_name], p)
     taken = {id(p) for _, p in out if p is not None}
-    scratch = (*disk.placeholders, *disk.grads) if disk is not None else ()  # stand-ins, gradients between steps
     states = [s for group in layout.states.values() for s in group]  # incl. a non-owner's stand-ins
-    skip = {id(p) for p in (*info.master_shards, *info.accum_buffers, *layout.params, *states, *scratch,
+    skip = {id(p) for p in (*info.master_shards, *info.accum_buffers, *layout.params, *states, *store.scratch,
                             info.order)} | taken
     for p in train_net.get_parameters():
         if id(p) not in skip:

@@ -124,7 +124,7 @@ class ZeroState:
     # mindzero.core.comm_plan.Call per collective of one optimizer step (comm_plan.state_calls, filled at assembly):
     calls: tuple = ()  # as this world runs them
     real_calls: tuple = ()  # with real reduce-scatter and sub-group collectives (what GPU/Ascend run)
-    offload: object = None  # optimizer_offload="disk": mindzero.engine.offload.DiskOffload (the states' file)
+    offload: object = None  # optimizer_offload="disk": mindzero.engine.offload.OffloadFile (the states' file)
     layout: object = None  # mindzero.engine.optim.OptimizerLayout: the optimizer's roles, as re-pointed
     order: object = None  # a scalar Parameter the update's collectives are chained through (train_step's note)
 

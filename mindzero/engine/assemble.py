@@ -18,7 +18,7 @@ from ..core.state import BROADCAST, CAST, GATHER, MasterPair, ParamState, ZeroSt
 from ..core.topology import World
 from .consistency import check_same_optimizer, check_same_plan, check_same_values
 from .materialize import full_array, make_shard, materialize
-from .offload import DiskOffload, check_offloadable
+from .offload import OffloadFile, check_offloadable
 from .optim import OptimizerLayout, check_optimizer, offload_update
 from .probe import decide_modes, with_owners
 from .repoint import PLACEHOLDER_PREFIX, new_states, repoint_optimizer, stand_in
@@ -179,7 +179,7 @@ def _shard_state(network, layout: OptimizerLayout, config: ZeroConfig, world: Wo
     updates = [ps.update for ps in params]
     if config.offload.disk:  # the file first (directory and space checked), then each state written as it is made
         check_offloadable(layout, updates, world.device)
-        offload = DiskOffload(layout, [ps.spec.shard_size if ps.sharded else ps.spec.numel for ps in params],
+        offload = OffloadFile(layout, [ps.spec.shard_size if ps.sharded else ps.spec.numel for ps in params],
                               config.offload, world.world_rank)
     states = new_states(layout, updates, [ps.spec for ps in params], op_rank, keep=offload.keep if offload else None)
     repoint_optimizer(layout, [ps.target for ps in params], states)
@@ -192,8 +192,6 @@ def _shard_state(network, layout: OptimizerLayout, config: ZeroConfig, world: Wo
         for ps in params:
             if ps.spec.dtype == precision.param_dtype:
                 ps.weight.set_dtype(getattr(ms, ps.spec.dtype))
-    if offload is not None:
-        offload.finish(layout, config.gradient_accumulation_steps > 1)
     return _Sharded(layout.state_attrs, digests, units, offload)
 
 

@@ -30,15 +30,19 @@ import weakref
 from pathlib import Path
 
 import numpy as np
-from mindspore import Parameter, Tensor
+import mindspore as ms
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from ..core.plan import dtype_bytes
-from ..core.offload import ALIGN_BYTES, SLOTS, OffloadError, OffloadPolicy, StateFile, StateLayout, check_directory, states_at
-from .materialize import np_dtype
+from ..core.host import release_host_memory
+from ..core.offload import (ALIGN_BYTES, SLOTS, SPLITTABLE_OPTIMIZERS, OffloadError, OffloadPolicy, StateFile,
+                            StateLayout, check_directory, states_at)
 from ..core.optim_plan import ELEMENT, FLAT, WHOLE
-from ..core.offload import SPLITTABLE_OPTIMIZERS
+from ..core.plan import dtype_bytes
+from .kernels import MAP, store
+from .materialize import np_dtype
 from .optim import qualified_name
 from .probe import optimizer_view, signature
+from .states import nbytes
 
 #: optimizers whose update gives each element the same bits whatever piece of the parameter it is computed in, so
 #: disk offload may cut their parameters into pieces (at multiples of 4096 elements, memory 64-byte aligned).
@@ -93,24 +97,22 @@ class DiskState:
         self.offload.write_state(self.attr, self.index, tensor.asnumpy())
 
 
-class DiskOffload:
-    """One train step's optimizer states on disk and the streamed update (module docstring).
-
-    Built in two parts: the constructor makes the file (space checked and reserved, before any state exists);
+class OffloadFile:
+    """The states' file of one train step, made before any state exists (directory checked, space reserved):
     :meth:`keep` is handed to :func:`mindzero.engine.repoint.new_states` and writes each state as it is made,
-    leaving a one-element stand-in in the optimizer; :meth:`finish` then builds the gradient buffers and views.
-    """
+    leaving a one-element stand-in in the optimizer; :meth:`read_state`, :meth:`write_state` and :meth:`state`
+    are what checkpoints read and load."""
 
     def __init__(self, optim_layout, numels, policy: OffloadPolicy, world_rank: int):
         self.policy = policy
         self.state_attrs = optim_layout.state_attrs
-        params = optim_layout.params
+        self.splits = splits_parameters(optim_layout.optimizer)
         self.dtypes = {attr: [s.dtype for s in optim_layout.states[attr]] for attr in self.state_attrs}
         itemsizes = [max((dtype_bytes(d) for d in self.dtypes[attr]), default=4) for attr in self.state_attrs]
-        self.layout = StateLayout.build(numels, itemsizes, policy.chunk_bytes, splits_parameters(optim_layout.optimizer))
+        self.layout = StateLayout.build(numels, itemsizes, policy.chunk_bytes, self.splits)
         self.numels = tuple(int(n) for n in numels)
         self.names = {attr: [s.name for s in optim_layout.states[attr]] for attr in self.state_attrs}
-        self.shapes = [None] * len(params)
+        self.shapes = [None] * len(optim_layout.params)
         root = check_directory(policy.dir, self.layout.nbytes)
         _remove_stale(root)
         self.rank_dir = root / f"rank_{world_rank}"
@@ -122,70 +124,17 @@ class DiskOffload:
         self._finalizer = weakref.finalize(self, _release, self.file, (self.reader, self.writer), self.rank_dir,
                                            policy.keep)
         self.placeholders = []
-        self.optim_layout = None
-        self.update_seconds = []  # wall time of each streamed update
-        self.update_io = (0, 0)  # bytes read and written by the last one
-
-    # -- filling ---------------------------------------------------------------------------------------------
 
     def keep(self, attr, index, state):
         """Write ``state`` (optimizer parameter ``index``'s state ``attr``, as sharded) to the file; return the
         one-element stand-in the optimizer holds instead."""
         self.shapes[index] = tuple(state.shape)
-        self.write_state(attr, index, state.asnumpy(), flush=False)  # finish() makes the whole fill durable
+        self.write_state(attr, index, state.asnumpy(), flush=False)  # the store's constructor makes it durable
         stand_in = Parameter(Tensor(np.zeros((1,), np_dtype(state.dtype))), name=state.name, requires_grad=False)
         self.placeholders.append(stand_in)
         return stand_in
 
-    def finish(self, optim_layout, accumulate: bool) -> None:
-        """After the optimizer was re-pointed: the gradient buffers (with accumulation: the step's gradients wait
-        there; without, they are the step graph's output), the shared scalars, the slots and the views."""
-        self.file.flush()  # the states written by keep()
-        self.optim_layout = optim_layout
-        params = list(optim_layout.params)
-        self.grads = [Parameter(Tensor(np.zeros(p.shape, np_dtype(p.dtype))), name="zero_offload_grad." + p.name,
-                                requires_grad=False) for p in params] if accumulate else []
-        self.scalars = list(optim_layout.scalars.values())
-        # a slot: [the piece's parameter values][its states, as in the file]
-        self.param_dtypes = [np.dtype(np_dtype(p.dtype)) for p in params]
-        self.states_at = states_at(self.layout, [d.itemsize for d in self.param_dtypes])
-        self.slots = [aligned_buffer(self.states_at + self.layout.piece_bytes) for _ in range(SLOTS)]
-        self.window_shapes = [tuple(params[p.index].shape) if p.numel == self.numels[p.index] else (p.numel,)
-                              for p in self.layout.pieces]  # a whole parameter keeps its shape (a 0-d one counts)
-        views, self.view_of = {}, []
-        for k, (piece, shape) in enumerate(zip(self.layout.pieces, self.window_shapes)):
-            key = (k % SLOTS, shape, str(params[piece.index].dtype),
-                   tuple(str(self.dtypes[a][piece.index]) for a in self.state_attrs),
-                   signature(optim_layout, piece.index, [tuple(p.shape) for p in params]))
-            if key not in views:
-                views[key] = self._view(optim_layout, len(views), piece, shape, self.slots[k % SLOTS])
-            self.view_of.append(views[key])
-        self.n_views = len(views)
-
-    def _view(self, optim_layout, n, piece, shape, slot):
-        """The view of ``optimizer`` for pieces like ``piece`` held in ``slot``: its Parameters' memory is the slot's
-        (bound once, never rebound: MindSpore's in-place kernels keep the memory they first ran on)."""
-        def bound(array, name):
-            p = Parameter(Tensor(np.zeros(shape, array.dtype)), name=name, requires_grad=False)
-            p.set_data(Tensor.from_numpy(array.reshape(shape)))
-            if not np.shares_memory(p.asnumpy(), array):
-                raise RuntimeError(f"mindzero: disk offload needs a Parameter to share a numpy array's memory "
-                                   f"(Tensor.from_numpy), and {name} does not on this MindSpore")
-            return p
-
-        param = bound(self._param_array(slot, piece), f"zero_offload.{n}.param")
-        states = {a: bound(self._state_array(slot[self.states_at:], piece, a), f"zero_offload.{n}.{a}")
-                  for a in self.state_attrs}
-        return optimizer_view(optim_layout, [piece.index], [param], {a: [s] for a, s in states.items()},
-                              share_scalars=True)
-
-    def _param_array(self, slot, piece):
-        dtype = self.param_dtypes[piece.index]
-        return slot[:piece.numel * dtype.itemsize].view(dtype)
-
-    # -- per-state access (checkpoints) ----------------------------------------------------------------------
-
-    def _state_array(self, buf, piece, attr):
+    def state_array(self, buf, piece, attr):
         k = self.state_attrs.index(attr)
         at = self.layout.state_offsets(piece)[k]
         dtype = np.dtype(np_dtype(self.dtypes[attr][piece.index]))
@@ -197,7 +146,7 @@ class DiskOffload:
         for piece in self.layout.pieces_of(index):
             buf = np.empty(self.layout.record_bytes(piece), np.uint8)
             self.file.read(buf, piece.offset)
-            out.append(self._state_array(buf, piece, attr).copy())
+            out.append(self.state_array(buf, piece, attr).copy())
         return np.concatenate(out) if out else np.zeros(0, np_dtype(self.dtypes[attr][index]))
 
     def write_state(self, attr, index, value, flush: bool = True) -> None:
@@ -207,7 +156,7 @@ class DiskOffload:
         for piece in self.layout.pieces_of(index):
             buf = np.empty(self.layout.record_bytes(piece), np.uint8)
             self.file.read(buf, piece.offset)
-            self._state_array(buf, piece, attr)[:] = flat[piece.start:piece.stop]
+            self.state_array(buf, piece, attr)[:] = flat[piece.start:piece.stop]
             self.file.write(buf, piece.offset)
         if flush:
             self.file.flush()
@@ -216,29 +165,173 @@ class DiskOffload:
         """What a checkpoint reads and loads for optimizer parameter ``index``'s state ``attr``."""
         return DiskState(self, attr, index, self.names[attr][index], self.dtypes[attr][index], self.shapes[index])
 
-    # -- the streamed update ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the I/O threads and remove the file (unless ``offload_keep``); also done at exit."""
+        self._finalizer()
 
-    def update(self, grads=None) -> None:
-        """Apply the optimizer to every piece, the gradients taken from ``grads`` (one Tensor per optimizer
-        parameter) or, with accumulation, from :attr:`grads` (module docstring)."""
-        pieces = self.layout.pieces
+
+class _AfterUpdate(nn.Cell):
+    """What follows the streamed update, as a small graph of its own: the write-back (unless the update was
+    skipped) and the EMA (the train step's own Cells, see :class:`~mindzero.engine.states.InMemoryStates`)."""
+
+    def __init__(self, write_back=None, ema=None, weights=None):
+        super().__init__(auto_prefix=False)
+        self.has_write_back, self.has_ema = write_back is not None, ema is not None
+        if self.has_write_back:
+            self.write_back = write_back
+        if self.has_ema:
+            self.ema, self.weights = ema, weights
+
+    def construct(self, skipped):
+        after = skipped
+        if self.has_write_back:
+            if not skipped:
+                after = self.write_back(after)
+        if self.has_ema:
+            after = ops.depend(after, self.ema(self.weights, skipped))
+        return after
+
+
+class DiskStates(nn.Cell):
+    """The optimizer states on disk (the store interface: :mod:`mindzero.engine.states`).
+
+    In the graph the store takes the reduced gradients (with accumulation into one buffer per optimizer parameter,
+    as a graph's branch cannot return them; without, as the step's fourth output) and records in ``pending``
+    what the graph decided at every step: 1 update, 2 update step skipped for overflow, 0 no update step. After the
+    graph, :meth:`after_step` streams the update (module docstring) and runs :class:`_AfterUpdate`.
+    """
+
+    def __init__(self, file: OffloadFile, optim_layout, accumulate: bool, write_back=None, ema=None, weights=None):
+        super().__init__(auto_prefix=False)
+        file.file.flush()  # the states written by keep()
+        self.disk, self.layout, self.accumulate = file, optim_layout, accumulate
+        params = list(optim_layout.params)
+        self.grads = ParameterTuple([Parameter(Tensor(np.zeros(p.shape, np_dtype(p.dtype))),
+                                               name="zero_offload_grad." + p.name, requires_grad=False)
+                                     for p in params] if accumulate else [])
+        self.pending = Parameter(Tensor(0, ms.int32), name="zero_offload_pending", requires_grad=False)
+        self.has_after = write_back is not None or ema is not None
+        if self.has_after:
+            self.after = _AfterUpdate(write_back, ema, weights)
+        self.scratch = (*file.placeholders, *self.grads, self.pending)  # stand-ins, gradients between steps, flag
+        self.stream = _Stream(file, optim_layout)
+
+    def construct(self, grads, after):
+        if self.accumulate:
+            return ops.depend(after, MAP(store, self.grads, grads))
+        return after
+
+    def settle(self, skipped, overflow):
+        return overflow
+
+    def handoff(self, due, skipped, grads):
+        decided = ops.select(skipped, Tensor(2, ms.int32), Tensor(1, ms.int32)) * ops.cast(due, ms.int32)
+        ops.assign(self.pending, decided)
+        if self.accumulate:
+            return ()
+        return grads
+
+    def after_step(self, handoff) -> None:
+        decided = int(self.pending.asnumpy())  # what the graph decided (class docstring)
+        if not decided:
+            return
+        if decided == 1:
+            first = not self.stream.update_seconds
+            self.stream.update(handoff if handoff else self.grads)
+            if first:  # the views compiled: give the compiler's freed heap back, as after the step's compile
+                release_host_memory()
+        if self.has_after:
+            self.after(Tensor(decided == 2, ms.bool_))
+
+    def state(self, attr, index) -> DiskState:
+        return self.disk.state(attr, index)
+
+    def bytes(self) -> dict:
+        return {"optimizer_moments": 0, "gradients": sum(nbytes(g) for g in self.grads),
+                "optimizer_disk": self.disk.layout.nbytes, "disk_io_per_step": 2 * self.disk.layout.nbytes,
+                "offload_buffers": self.stream.buffer_bytes}
+
+    def describe(self) -> str:
+        mib, layout = 2 ** 20, self.disk.layout
+        cut = "cut inside parameters" if self.disk.splits else "whole parameters: this optimizer is not cut"
+        return (f"{layout.nbytes / mib:.3f} MiB of optimizer states in {self.disk.file.path} ({len(layout.pieces)} "
+                f"pieces of at most {layout.piece_bytes / mib:.3f} MiB, {cut}); per update {layout.nbytes / mib:.3f} "
+                f"MiB read + {layout.nbytes / mib:.3f} MiB written; resident for the stream: "
+                f"{self.stream.buffer_bytes / mib:.3f} MiB of slots and the gradient buffers (in gradients)")
+
+    def close(self) -> None:
+        self.disk.close()
+
+
+class _Stream:
+    """The streamed update of a filled :class:`OffloadFile`: three slots and the optimizer's views (module
+    docstring). Not a Cell: its views are compiled and run on their own, never in the step's graph."""
+
+    def __init__(self, file: OffloadFile, optim_layout):
+        self.disk, self.layout, self.optim_layout = file, file.layout, optim_layout
+        params = list(optim_layout.params)
+        self.scalars = list(optim_layout.scalars.values())
+        # a slot: [the piece's parameter values][its states, as in the file]
+        self.param_dtypes = [np.dtype(np_dtype(p.dtype)) for p in params]
+        self.states_at = states_at(self.layout, [d.itemsize for d in self.param_dtypes])
+        self.slots = [aligned_buffer(self.states_at + self.layout.piece_bytes) for _ in range(SLOTS)]
+        self.window_shapes = [tuple(params[p.index].shape) if p.numel == file.numels[p.index] else (p.numel,)
+                              for p in self.layout.pieces]  # a whole parameter keeps its shape (a 0-d one counts)
+        views, self.view_of = {}, []
+        for k, (piece, shape) in enumerate(zip(self.layout.pieces, self.window_shapes)):
+            key = (k % SLOTS, shape, str(params[piece.index].dtype),
+                   tuple(str(file.dtypes[a][piece.index]) for a in file.state_attrs),
+                   signature(optim_layout, piece.index, [tuple(p.shape) for p in params]))
+            if key not in views:
+                views[key] = self._view(len(views), piece, shape, self.slots[k % SLOTS])
+            self.view_of.append(views[key])
+        self.n_views = len(views)
+        self.update_seconds = []  # wall time of each streamed update
+        self.update_io = (0, 0)  # bytes read and written by the last one
+
+    def _view(self, n, piece, shape, slot):
+        """The view of the optimizer for pieces like ``piece`` held in ``slot``: its Parameters' memory is the
+        slot's (bound once, never rebound: MindSpore's in-place kernels keep the memory they first ran on)."""
+        def bound(array, name):
+            p = Parameter(Tensor(np.zeros(shape, array.dtype)), name=name, requires_grad=False)
+            p.set_data(Tensor.from_numpy(array.reshape(shape)))
+            if not np.shares_memory(p.asnumpy(), array):
+                raise RuntimeError(f"mindzero: disk offload needs a Parameter to share a numpy array's memory "
+                                   f"(Tensor.from_numpy), and {name} does not on this MindSpore")
+            return p
+
+        param = bound(self._param_array(slot, piece), f"zero_offload.{n}.param")
+        states = {a: bound(self.disk.state_array(slot[self.states_at:], piece, a), f"zero_offload.{n}.{a}")
+                  for a in self.disk.state_attrs}
+        return optimizer_view(self.optim_layout, [piece.index], [param], {a: [s] for a, s in states.items()},
+                              share_scalars=True)
+
+    def _param_array(self, slot, piece):
+        dtype = self.param_dtypes[piece.index]
+        return slot[:piece.numel * dtype.itemsize].view(dtype)
+
+    def update(self, grads) -> None:
+        """Apply the optimizer to every piece, the gradients taken from ``grads`` (one Tensor or Parameter per
+        optimizer parameter; module docstring)."""
+        pieces, file = self.layout.pieces, self.disk.file
         if not pieces:
             return
-        started, io_before = time.perf_counter(), (self.file.read_bytes, self.file.written_bytes)
+        started, io_before = time.perf_counter(), (file.read_bytes, file.written_bytes)
         params = [p.asnumpy().reshape(-1) for p in self.optim_layout.params]
-        grads = [g.asnumpy().reshape(-1) for g in (self.grads if grads is None else grads)]
+        grads = [g.asnumpy().reshape(-1) for g in grads]
         scalars = [(p.asnumpy(), p.asnumpy().copy()) for p in self.scalars]
+
         def states_of(k):
             return self.slots[k % SLOTS][self.states_at:self.states_at + self.layout.record_bytes(pieces[k])]
 
         def read(k):
-            self.file.read(states_of(k), pieces[k].offset)
+            file.read(states_of(k), pieces[k].offset)
 
         def write(k):
-            self.file.write(states_of(k), pieces[k].offset)
+            file.write(states_of(k), pieces[k].offset)
 
         writes = [None] * SLOTS
-        pending = self.reader.submit(read, 0)
+        pending = self.disk.reader.submit(read, 0)
         for k, piece in enumerate(pieces):
             pending.result()
             if k + 1 < len(pieces):
@@ -246,7 +339,7 @@ class DiskOffload:
                 if writes[nxt] is not None:
                     writes[nxt].result()
                     writes[nxt] = None
-                pending = self.reader.submit(read, k + 1)
+                pending = self.disk.reader.submit(read, k + 1)
             for live, before in scalars:
                 live[...] = before
             values = params[piece.index][piece.start:piece.stop]
@@ -255,32 +348,18 @@ class DiskOffload:
             self.view_of[k]((Tensor.from_numpy(grads[piece.index][piece.start:piece.stop].reshape(
                 self.window_shapes[k])),))
             values[...] = window
-            writes[k % SLOTS] = self.writer.submit(write, k)
+            writes[k % SLOTS] = self.disk.writer.submit(write, k)
         for w in writes:
             if w is not None:
                 w.result()
-        self.writer.submit(self.file.flush).result()
+        self.disk.writer.submit(file.flush).result()
         self.update_seconds.append(time.perf_counter() - started)
-        self.update_io = (self.file.read_bytes - io_before[0], self.file.written_bytes - io_before[1])
-
-    # -- what it costs ---------------------------------------------------------------------------------------
-
-    @property
-    def disk_bytes(self) -> int:
-        return self.layout.nbytes
+        self.update_io = (file.read_bytes - io_before[0], file.written_bytes - io_before[1])
 
     @property
     def buffer_bytes(self) -> int:
         """Resident for the stream: the slots (the gradient buffers are counted as gradients)."""
-        return sum(int(s.nbytes) for s in getattr(self, "slots", ()))
-
-    @property
-    def grad_bytes(self) -> int:
-        return sum(int(g.nbytes) for g in getattr(self, "grads", ()))
-
-    def close(self) -> None:
-        """Stop the I/O threads and remove the file (unless ``offload_keep``); also done at exit."""
-        self._finalizer()
+        return sum(int(s.nbytes) for s in self.slots)
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:
@@ -326,4 +405,4 @@ def _alive(pid: int) -> bool:
     return True
 
 
-__all__ = ["DiskOffload", "DiskState", "OffloadError"]
+__all__ = ["DiskState", "DiskStates", "OffloadError", "OffloadFile"]

@@ -7,7 +7,7 @@ from ..core.estimate import both_formulas
 from ..core.memory import expected_bytes
 from ..core.optim_plan import OWNER, balance, every_rank_bytes
 from .offload import splits_parameters
-from .repoint import optimizer_state_params
+from .states import nbytes
 
 
 def memory_report(train_net) -> dict:
@@ -22,24 +22,20 @@ def memory_report(train_net) -> dict:
         the plan, and the largest over their mean.
     """
     info = train_net.zero_info
-    disk = info.offload
-    # with disk offload the optimizer holds one-element stand-ins: the states are in the file (optimizer_disk)
-    moments = 0 if disk else sum(_nbytes(p) for p in optimizer_state_params(info.layout))
-    masters = sum(_nbytes(p) for p in info.master_shards)
-    extra = {}
-    if disk is not None:
-        extra = {"optimizer_disk": disk.disk_bytes, "disk_io_per_step": 2 * disk.disk_bytes,
-                 "offload_buffers": disk.buffer_bytes}
+    # the store's bytes (:mod:`mindzero.engine.states`): disk offload adds what is on disk and its stream's slots
+    held = train_net.states.bytes()
+    moments, store_gradients = held.pop("optimizer_moments"), held.pop("gradients")
+    masters = sum(nbytes(p) for p in info.master_shards)
     updates = info.updates
     spread = balance(updates, [every_rank_bytes(ps.spec, ps.update) for ps in info.params], info.world.op_size)
     return {
-        **extra,
-        "parameters": sum(_nbytes(p) for p in train_net.network.get_parameters()),
-        "gradients": sum(_nbytes(p) for p in info.accum_buffers) + (disk.grad_bytes if disk else 0),
+        **held,
+        "parameters": sum(nbytes(p) for p in train_net.network.get_parameters()),
+        "gradients": sum(nbytes(p) for p in info.accum_buffers) + store_gradients,
         "optimizer_moments": moments,
         "master_shards": masters,
         "optimizer_states": moments + masters,
-        "ema": sum(_nbytes(p) for p in train_net.ema.ema_weights) if train_net.has_ema else 0,
+        "ema": sum(nbytes(p) for p in train_net.ema.ema_weights) if train_net.has_ema else 0,
         "expected": expected_bytes(info.plan, info.config, {ps.name: ps.update for ps in info.params},
                                    info.world.op_rank, train_net.has_ema, splits_parameters(info.layout.optimizer)),
         "stage": info.config.zero_stage,
@@ -60,10 +56,6 @@ def formulas_line(info, n_states: int) -> str:
     return (f"  formulas (Φ = {phi} optimized parameters, N = {info.world.op_size}, {n_states} states each): fp32 "
             f"{both['fp32']['total'] / 2 ** 20:.3f} MiB, mixed precision (param_dtype) "
             f"{both['mixed_precision']['total'] / 2 ** 20:.3f} MiB; this run: {this}")
-
-
-def _nbytes(tensor) -> int:
-    return int(tensor.nbytes)
 
 
 def plan_text(train_net) -> str:
@@ -105,14 +97,9 @@ def plan_text(train_net) -> str:
     lines += updates_lines(info, report)
     for kind in ("parameters", "gradients", "optimizer_states"):
         lines.append(f"  {kind:<17} {report[kind] / mib:10.3f} MiB (plan {report['expected'][kind] / mib:.3f} MiB)")
-    disk = info.offload
-    if disk is not None:
-        lines.append(f"  {'on disk':<17} {report['optimizer_disk'] / mib:10.3f} MiB of optimizer states in "
-                     f"{disk.file.path} ({len(disk.layout.pieces)} pieces of at most "
-                     f"{disk.layout.piece_bytes / mib:.3f} MiB, {'cut inside parameters' if splits_parameters(info.layout.optimizer) else 'whole parameters: this optimizer is not cut'}); "
-                     f"per update {report['optimizer_disk'] / mib:.3f} MiB read + "
-                     f"{report['optimizer_disk'] / mib:.3f} MiB written; resident for the stream: "
-                     f"{report['offload_buffers'] / mib:.3f} MiB of slots and the gradient buffers (in gradients)")
+    where = train_net.states.describe()
+    if where is not None:
+        lines.append(f"  {'on disk':<17} {where}")
     lines.append(formulas_line(info, len(info.state_attrs)))
     lines.append(info.plan.summary())
     lines.append(format_comm(info.calls, info.real_calls if world.emulated else None))

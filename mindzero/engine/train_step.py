@@ -30,10 +30,10 @@ Per step (``gradient_accumulation_steps = K``; ``N`` ranks in the op group):
    owner broadcasts its updated parameters (stage 3: every rank keeps its shard
    of them); ``param_dtype`` masters are cast back.
 
-With ``optimizer_offload="disk"`` step 7 leaves the graph: the step returns the reduced gradients (with
-accumulation: stores them in buffers); the update then streams the states from disk piece by piece (:mod:`mindzero.engine.offload`), and a
-second small graph (:class:`AfterUpdate`) does the write-back and the EMA. Which steps update, and which skip for
-overflow, is decided as in the graph.
+Where the optimizer's states live is the store's business (``states``, :mod:`mindzero.engine.states`): in memory
+step 7 is the graph's; with ``optimizer_offload="disk"`` the graph hands the reduced gradients over and records
+whether the update is due or skipped, and the store streams the update from disk after the graph
+(:mod:`mindzero.engine.offload`).
 
 In graph mode every rank compiles its own graph: owner mode makes the optimizer's work differ between ranks (one
 updates a parameter whole, the others a stand-in of a few elements), never the collectives: every rank issues the
@@ -58,8 +58,10 @@ from ..core.state import CAST, REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
 from ..core.topology import World
 from ..core.host import release_host_memory
 from .kernels import (MAP, accumulate, cast_to, depend_on, ema_update, finite, norm_sq, reduce_grad, reduce_unit,
-                      route, scale_by, store, zero_after)
+                      route, scale_by, zero_after)
 from .precision import explain_dtype_errors
+from .offload import DiskStates
+from .states import InMemoryStates
 from .update import OwnerGradients, Refresh, WriteBack
 
 
@@ -178,30 +180,6 @@ def _execution_order(order):
         ms.set_context(exec_order=previous)
 
 
-class AfterUpdate(nn.Cell):
-    """Disk offload: what follows the (streamed) update in the step's graph otherwise: the write-back
-    (:class:`WriteBack`) unless the update was skipped, and the EMA. Holds the train step's own Cells and
-    Parameters, not copies."""
-
-    def __init__(self, step):
-        super().__init__(auto_prefix=False)
-        self.has_write_back, self.has_ema = step.has_write_back, step.has_ema
-        if self.has_write_back:
-            self.write_back = step.write_back
-        if self.has_ema:
-            self.ema = step.ema
-            self.weights = step.weights
-
-    def construct(self, skipped):
-        after = skipped
-        if self.has_write_back:
-            if not skipped:
-                after = self.write_back(after)
-        if self.has_ema:
-            after = ops.depend(after, self.ema(self.weights, skipped))
-        return after
-
-
 class ZeroTrainOneStepCell(nn.Cell):
     """Train step of :func:`mindzero.prepare_train_network`; see the module docstring for the phases.
 
@@ -227,13 +205,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.norm_paddings = tuple(ps.reduce_spec.padding for ps in state.params)
         self.has_sharded_norm = any(kind != REPLICATED for kind in self.norm_kinds)
         self.op_rank, self.op_size = world.op_rank, world.op_size
-        self.has_write_back = bool(state.gather or state.broadcasts or state.masters_of(CAST))
-        if self.has_write_back:
-            self.write_back = WriteBack(state)
         self.refresh = Refresh(state)
-        self.has_owner_grads = bool(state.owner_grads)
-        if self.has_owner_grads:
-            self.owner_grads = OwnerGradients(state)
         # gradients are reduced (and accumulated) in reduce_dtype (mixed precision, or 16-bit reduction alone)
         self.reduce_dtype = getattr(ms, config.precision.reduce_in) if config.precision.reduce_in else None
         self.accum_steps = config.gradient_accumulation_steps
@@ -253,14 +225,9 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.has_ema = state.ema is not None
         if self.has_ema:
             self.ema = state.ema
+        self.states = _states(state, optimizer, self.weights)
         # stages that shard gradients reduce each where backward produces it: compiled in depth-first order
         self.exec_order = "dfs" if config.policy.shard_gradients else None
-        self.offloaded = state.offload is not None  # optimizer_offload="disk": the update streams the states
-        object.__setattr__(self, "disk", state.offload)
-        if self.offloaded and self.accum_steps > 1:
-            self.offload_grads = ParameterTuple(self.disk.grads)
-        if self.offloaded:
-            object.__setattr__(self, "after_update", AfterUpdate(self))  # not a child: its Cells are this one's
         self.set_train(True)
         self._compiled = False
 
@@ -276,26 +243,9 @@ class ZeroTrainOneStepCell(nn.Cell):
             self.compile(*args, **kwargs)
             release_host_memory()
         self._compiled = True
-        out = super().__call__(*args, **kwargs)
-        if self.offloaded:
-            grads = out[3] if self.accum_steps == 1 else None
-            out = out[:3]
-            self._streamed_update(out[1], grads)
-        return out
-
-    def _streamed_update(self, overflow, grads) -> None:
-        """Disk offload, after the graph: at an update step, unless it is skipped for overflow, stream the update;
-        then the write-back and the EMA (:class:`AfterUpdate`), as the graph would have done."""
-        if self.accum_steps > 1 and int(self.micro_step.asnumpy()) % self.accum_steps:
-            return
-        skipped = bool(self.drop_overflow_update and overflow.asnumpy())
-        if not skipped:
-            first = not self.disk.update_seconds
-            self.disk.update(grads)
-            if first:  # the views compiled: give the compiler's freed heap back, as after the step's compile
-                release_host_memory()
-        if self.has_write_back or self.has_ema:
-            self.after_update(Tensor(skipped, ms.bool_))
+        loss, overflow, scale, handoff = super().__call__(*args, **kwargs)
+        self.states.after_step(handoff)
+        return loss, overflow, scale
 
     def construct(self, *inputs):
         scale = self.scale_sense * 1.0
@@ -307,17 +257,18 @@ class ZeroTrainOneStepCell(nn.Cell):
         grads = self.micro(grads, scale)  # (no scaling here: the factor is applied once, at the boundary)
         if self.accum_steps == 1:
             overflow, grads = self._apply(grads, scale)
-            if self.offloaded:  # disk offload: the gradients go out to the streamed update (__call__)
-                return loss, overflow, scale, grads
+            due = ops.ones((), ms.bool_)
         else:
             step = ops.depend(self.micro_step + 1, MAP(accumulate, self.accum_buffers, grads))
             ops.assign(self.micro_step, step)
             overflow = ops.zeros((), ms.bool_)
-            if step % self.accum_steps == 0:
+            due = step % self.accum_steps == 0
+            if due:
                 grads = MAP(ops.partial(depend_on, step), self.accum_buffers)
                 overflow, _ = self._apply(grads, scale)
                 overflow = ops.depend(overflow, MAP(ops.partial(zero_after, overflow), self.accum_buffers))
-        return loss, overflow, scale
+        skipped = overflow if self.drop_overflow_update else ops.zeros((), ms.bool_)
+        return loss, overflow, scale, self.states.handoff(due, skipped, grads)
 
     def _apply(self, grads, scale):
         # every reduction is a sum over the world: one multiply by 1 / (loss_scale * K * N), right after each
@@ -334,36 +285,20 @@ class ZeroTrainOneStepCell(nn.Cell):
                 overflow = self._update(grads, overflow)
         else:
             overflow = self._update(grads, overflow)
-        if self.offloaded:  # the streamed update and what follows it run after the graph
-            return overflow, grads
-        if self.has_ema:  # after the gather, so stages 1-2 average the updated full parameters
-            skipped = overflow if self.drop_overflow_update else ops.zeros((), ms.bool_)
-            overflow = ops.depend(overflow, self.ema(self.weights, skipped))
-        return overflow, grads
+        skipped = overflow if self.drop_overflow_update else ops.zeros((), ms.bool_)
+        return self.states.settle(skipped, overflow), grads
 
     def _update(self, grads, after):
-        """The optimizer step: the masters refreshed (:class:`Refresh`), owner-mode gradients gathered
-        (:class:`OwnerGradients`), the optimizer, then the write-back (:class:`WriteBack`): stages 1-2 all-gather
-        every updated flat master shard into its parameter, owners broadcast theirs, mixed precision casts the
-        others.
+        """The optimizer step: the masters refreshed (:class:`Refresh`), then the store's update
+        (:mod:`mindzero.engine.states`): in memory, owner-mode gradients gathered (:class:`OwnerGradients`), the
+        optimizer, then the write-back (:class:`WriteBack`): stages 1-2 all-gather every updated flat master shard
+        into its parameter, owners broadcast theirs, mixed precision casts the others.
 
         The gather sits in the same branch as the update: after the branch (where an earlier step, whose
         chained assigns MindSpore 2.10 dropped inside a branch, had it) the runtime held the gathered
         values across the branch boundary: +212 MiB of memory pool on a 105M GPT (stage 1, one process),
         about half the parameter bytes; inside, +5 MiB."""
-        after = self.refresh(after)
-        if self.offloaded:  # the streamed update runs after the graph (ZeroTrainOneStepCell.__call__): with
-            # accumulation the gradients wait in buffers, without it they are the graph's output
-            if self.accum_steps > 1:
-                return ops.depend(after, MAP(store, self.offload_grads, grads))
-            return after
-        grads = MAP(ops.partial(depend_on, after), grads)
-        if self.has_owner_grads:
-            grads = self.owner_grads(grads)
-        after = ops.depend(after, self.optimizer(grads))
-        if self.has_write_back:
-            after = self.write_back(after)
-        return after
+        return self.states(grads, self.refresh(after))
 
     def _clip(self, grads):
         """Scale every gradient by ``clip_norm / max(global_norm, clip_norm)``.
@@ -382,3 +317,14 @@ class ZeroTrainOneStepCell(nn.Cell):
         norm = ops.sqrt(total_sq)
         factor = self.clip_norm / ops.maximum(norm, self.clip_norm)
         return MAP(ops.partial(scale_by, factor[0]), grads)
+
+
+def _states(state: ZeroState, optimizer, weights):
+    """The store of the optimizer's states (:mod:`mindzero.engine.states`), holding the update's Cells."""
+    write_back = WriteBack(state) if state.gather or state.broadcasts or state.masters_of(CAST) else None
+    ema = state.ema
+    if state.offload is not None:
+        return DiskStates(state.offload, state.layout, state.config.gradient_accumulation_steps > 1, write_back, ema,
+                          weights)
+    return InMemoryStates(state.layout, optimizer, OwnerGradients(state) if state.owner_grads else None, write_back,
+                          ema, weights)

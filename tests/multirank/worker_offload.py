@@ -62,7 +62,7 @@ def memory_run(disk_dir, world):
     report = mindzero.memory_report(train)
     states = report.get("optimizer_disk") or report["optimizer_moments"]
     if train.zero_info.offload is not None:
-        train.zero_info.offload.close()
+        train.states.close()
     del train, net, opt
     gc.collect()
     return dict(peak_growth=grown, state_bytes=states)
@@ -78,8 +78,7 @@ def mixed_run(world, stage, disk_dir=None, load=None, save=None, steps=range(4),
     cls, losses = type(net), []
     for s in steps:
         if kill_in_update is not None and s == kill_in_update:
-            disk = train.zero_info.offload
-            views = disk.view_of
+            views = train.states.stream.view_of
 
             def die(*args, _k=len(views) // 2):
                 if world.world_rank == 1:

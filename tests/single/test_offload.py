@@ -79,7 +79,7 @@ def test_every_optimizer_equals_the_update_in_memory(tmp_path, kind, stage):
     ref = train(kind, stage)
     got = train(kind, stage, optimizer_offload="disk", offload_dir=str(tmp_path), offload_chunk_mb=CHUNK_MB)
     assert_identical(got, ref, f"{kind} stage {stage}")
-    disk = got[2].zero_info.offload
+    disk = got[2].zero_info.offload  # the states' file
     pieces = len(disk.layout.pieces)
     if splits_parameters(got[2].optimizer):  # cut inside the parameters
         assert pieces > len(disk.numels), (kind, pieces)
@@ -187,15 +187,15 @@ def test_optimizers_it_cannot_stream_are_refused_naming_the_rule(tmp_path):
 
 def test_the_file_is_removed_unless_kept_and_a_dead_process_file_is_cleared(tmp_path):
     _, _, step = train("adamw", 3, steps=1, optimizer_offload="disk", offload_dir=str(tmp_path))
-    path = step.zero_info.offload.file.path
+    path = step.states.disk.file.path
     assert path.exists() and path.parent == tmp_path / "rank_0"
     text = mindzero.engine.report.plan_text(step)
     assert f"of optimizer states in {path}" in text and "MiB read +" in text, text
-    step.zero_info.offload.close()  # what process exit does (tests/multirank/test_offload.py: after a launch)
+    step.states.close()  # what process exit does (tests/multirank/test_offload.py: after a launch)
     assert not path.exists() and not (tmp_path / "rank_0").exists()
     _, _, kept = train("adamw", 3, steps=1, optimizer_offload="disk", offload_dir=str(tmp_path), offload_keep=True)
-    path = kept.zero_info.offload.file.path
-    kept.zero_info.offload.close()
+    path = kept.states.disk.file.path
+    kept.states.close()
     assert path.exists()
     # a file whose process is gone (a killed rank's) is removed by the next run on this machine
     stale = path.with_name(path.name.replace(f"_{__import__('os').getpid()}_", "_999999999_"))
