@@ -104,19 +104,60 @@ _FAULT = re.compile(r"^Fatal Python error: (.+)$", re.M)
 _FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)', re.M)
 
 
+def _fault_stack(text: str):
+    """``(fault, [(path, line, function)])`` of the thread that faulted, innermost first, from the stack
+    ``faulthandler`` printed; ``None`` without one."""
+    fault = _FAULT.search(text)
+    if fault is None:
+        return None
+    after = text[fault.end():]
+    start = after.find("Current thread")  # the faulting thread's stack, when other threads are listed before it
+    return fault.group(1).strip(), _FRAME.findall((after[start:] if start >= 0 else after).split("\n\n")[0])
+
+
 def fault_location(text: str, frames: int = 4) -> str:
     """Where a rank's Python was when a signal killed it, from the stack ``faulthandler`` printed
     (``PYTHONFAULTHANDLER=1``, set by :mod:`mindzero.launch.local` for every rank): the innermost ``frames`` of
     the thread that faulted, innermost first, e.g. ``"Segmentation fault in crash (worker.py:12) <- first_step
     (worker.py:20)"``; ``""`` without such a stack (a SIGKILL leaves none)."""
-    fault = _FAULT.search(text)
-    if fault is None:
+    stack = _fault_stack(text)
+    if stack is None:
         return ""
-    after = text[fault.end():]
-    start = after.find("Current thread")  # the faulting thread's stack, when other threads are listed before it
-    found = _FRAME.findall((after[start:] if start >= 0 else after).split("\n\n")[0])
+    fault, found = stack
     where = " <- ".join(f"{func} ({Path(path).name}:{line})" for path, line, func in found[:frames])
-    return f"{fault.group(1).strip()}" + (f" in {where}" if where else "")
+    return fault + (f" in {where}" if where else "")
+
+
+#: (file, function) of a frame -> the phase a rank was in when it died there; a stack is matched innermost first
+PHASES = (
+    ("mindspore/communication/management.py", "init", "joining the cluster (mindspore.communication.init)"),
+    ("mindzero/engine/offload.py", "update", "the streamed optimizer update (optimizer_offload='disk')"),
+    ("mindzero/engine/train_step.py", "compile", "compiling the train step's graph"),
+    ("mindzero/engine/train_step.py", "__call__", "running a train step"),
+    ("mindzero/checkpoint/save.py", "save_checkpoint", "saving a checkpoint"),
+    ("mindzero/checkpoint/live.py", "load_checkpoint", "loading a checkpoint"),
+    ("mindzero/engine/prepare.py", "prepare_train_network", "prepare_train_network (sharding the model)"),
+)
+
+
+def fault_phase(text: str) -> str:
+    """The phase a rank was in when a signal killed it, from its ``faulthandler`` stack (see
+    :func:`fault_location`): the innermost frame :data:`PHASES` knows; else whose code it was in; ``""`` without a
+    stack."""
+    stack = _fault_stack(text)
+    if stack is None:
+        return ""
+    paths = [(path.replace("\\", "/"), func) for path, _, func in stack[1]]
+    for path, func in paths:
+        for suffix, name, phase in PHASES:
+            if func == name and path.endswith(suffix):
+                return phase
+    inside = [f"{func} ({Path(path).name})" for path, func in paths if "/mindspore/" in path]
+    if inside:
+        return f"inside MindSpore ({inside[0]}), outside the phases mindzero names"
+    if any("/mindzero/" in path for path, _ in paths):
+        return "inside mindzero, outside the phases it names"
+    return "the script's own code (no mindzero or MindSpore frame on the stack)"
 
 
 def rank_output(out_dir, rank: int = 0) -> str:

@@ -77,6 +77,7 @@ def test_dead_rank_ends_the_job_naming_it(tmp_path, launcher, nodes, n, victim, 
     assert f"rank {victim} failed first ({how}" in text, text
     if mode == "segv":  # where it died: the worker's function that crashed, from the rank's faulthandler stack
         assert "<- first_step (worker_fail.py:" in text, text
+        assert "phase: the script's own code (no mindzero or MindSpore frame on the stack)" in text, text
     assert "timed out" not in text.split("\n")[0], text  # ended by the launcher, not by our timeout
     assert took < DEATH_BOUND, f"the job took {took:.0f}s to end after rank {victim} died"
     if mode == "raise":

@@ -3,7 +3,7 @@ launcher reports (which rank failed first): pure logic, no MindSpore, no process
 import pytest
 
 from mindzero.launch.mpi import cluster_env, job_port, launcher_rank
-from mindzero.launch.logs import describe_signal, fault_location, first_failure
+from mindzero.launch.logs import describe_signal, fault_location, fault_phase, first_failure
 
 
 def test_openmpi_pmi_and_slurm_variables():
@@ -112,3 +112,43 @@ def test_a_crashed_ranks_place_is_read_from_its_faulthandler_stack():
     assert fault_location("Traceback (most recent call last):\n  File \"x.py\", line 1 in f\n") == ""  # no fault
     assert describe_signal(15) == "signal 15 (SIGTERM: asked to stop (by a launcher or a user))"
     assert describe_signal(10) == "signal 10 (SIGUSR1)" and describe_signal(99) == "signal 99"
+
+
+def _stack(*frames):
+    """A faulthandler report of a segfault in ``frames`` ((path, function), innermost first)."""
+    lines = "\n".join(f'  File "{path}", line 7 in {func}' for path, func in frames)
+    return f"Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n{lines}\n\n"
+
+
+SITE = "/venv/lib/python3.11/site-packages"
+
+
+@pytest.mark.parametrize("frames, phase", [
+    ([(f"{SITE}/mindspore/nn/cell.py", "compile"), ("/src/mindzero/engine/train_step.py", "compile"),
+      ("/src/mindzero/engine/train_step.py", "__call__"), ("/job/train.py", "main")],
+     "compiling the train step's graph"),
+    ([(f"{SITE}/mindspore/nn/cell.py", "__call__"), (f"{SITE}/mindzero/engine/train_step.py", "__call__")],
+     "running a train step"),
+    ([(f"{SITE}/mindspore/communication/management.py", "init"), ("/job/train.py", "<module>")],
+     "joining the cluster (mindspore.communication.init)"),
+    ([(f"{SITE}/mindspore/nn/cell.py", "__call__"), ("/src/mindzero/engine/offload.py", "update"),
+      ("/src/mindzero/engine/offload.py", "after_step"), ("/src/mindzero/engine/train_step.py", "__call__")],
+     "the streamed optimizer update (optimizer_offload='disk')"),
+    ([("/src/mindzero/checkpoint/tensor_io.py", "write"), ("/src/mindzero/checkpoint/save.py", "save_checkpoint")],
+     "saving a checkpoint"),
+    ([("/src/mindzero/engine/assemble.py", "build_state"), ("/src/mindzero/engine/prepare.py",
+                                                           "prepare_train_network")],
+     "prepare_train_network (sharding the model)"),
+    ([(f"{SITE}/mindspore/common/tensor.py", "asnumpy"), ("/job/train.py", "main")],
+     "inside MindSpore (asnumpy (tensor.py)), outside the phases mindzero names"),
+    ([("/src/mindzero/comm/groups.py", "rehearse")], "inside mindzero, outside the phases it names"),
+    ([("/usr/lib/python3.11/ctypes/__init__.py", "string_at"), ("/job/train.py", "first_step")],
+     "the script's own code (no mindzero or MindSpore frame on the stack)"),
+])
+def test_the_phase_a_rank_died_in_is_the_innermost_known_frame(frames, phase):
+    assert fault_phase(_stack(*frames)) == phase
+
+
+def test_no_stack_no_phase():
+    assert fault_phase("Traceback (most recent call last):\n  File \"x.py\", line 1 in f\n") == ""
+    assert fault_phase(FAULT) == "the script's own code (no mindzero or MindSpore frame on the stack)"
