@@ -39,7 +39,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from ..core.options import CHECKPOINT_FORMATS as FORMATS
 from ..core.checks import is_int
@@ -201,11 +201,18 @@ def placement(kind: str, stage: int, plan_sharded: bool, per_rank: bool, op_rank
     return False, f"rank_0.{fmt}"
 
 
-def entry_at(name: str, kind: str, shape, dtype: str, spec, stage: int, fmt: str, owner=None,
+class Target(NamedTuple):
+    """The checkpoint a tensor is placed in: its ZeRO stage and file format."""
+    stage: int
+    fmt: str
+
+
+def entry_at(name: str, kind: str, shape, dtype: str, spec, target: Target, owner=None,
              whole: bool = False) -> TensorEntry:
-    """The :class:`TensorEntry` of one tensor placed by :func:`placement` in a checkpoint of ``stage``;
+    """The :class:`TensorEntry` of one tensor placed by :func:`placement` in a checkpoint ``target``;
     ``spec`` is its parameter's :class:`mindzero.core.plan.ShardSpec` for the rank that stores it (``None`` for
     scalars, which rank 0 stores); ``owner`` / ``whole``: see :func:`placement`."""
+    stage, fmt = target
     per_rank = kind == "parameter" and spec is not None and spec.per_rank
     op_rank = spec.op_rank if spec is not None else 0
     sharded, file = placement(kind, stage, bool(spec and spec.sharded), per_rank, op_rank, fmt, owner, whole)

@@ -38,7 +38,7 @@ from ..core.optim_plan import ELEMENT, FLAT, OWNER
 from ..core.plan import shard_array
 from ..core.state import BROADCAST, GATHER
 from .directory import CheckpointError
-from .format import SplitInfo, entry_at
+from .format import SplitInfo, Target, entry_at
 from .tensor_io import MS_TO_NAME
 
 
@@ -48,12 +48,13 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
     lists every entry; the value is ``None`` where another rank holds the tensor (an owner-mode parameter's states
     and master on every rank but its owner). Where each lives follows :func:`mindzero.checkpoint.format.placement`."""
     info = train_net.zero_info
-    stage, op_rank, layout = info.config.zero_stage, info.world.op_rank, info.layout
+    op_rank, layout = info.world.op_rank, info.layout
+    target = Target(info.config.zero_stage, fmt)
     out = []
 
     def add(name, kind, spec, value, shape=None, dtype=None, owner=None, whole=False):
         dtype = dtype or MS_TO_NAME[str(value.dtype)]
-        out.append((entry_at(name, kind, spec.shape if shape is None else shape, dtype, spec, stage, fmt, owner, whole),
+        out.append((entry_at(name, kind, spec.shape if shape is None else shape, dtype, spec, target, owner, whole),
                     value))
 
     net_params = {p.name: p for p in train_net.network.get_parameters()}
@@ -80,7 +81,7 @@ def live_tensors(train_net, fmt: str = "ckpt") -> list:
                             info.order)} | taken
     for p in train_net.get_parameters():
         if id(p) not in skip:
-            out.append((entry_at(p.name, "scalar", p.shape, MS_TO_NAME[str(p.dtype)], None, stage, fmt), p))
+            out.append((entry_at(p.name, "scalar", p.shape, MS_TO_NAME[str(p.dtype)], None, target), p))
     names = [e.name for e, _ in out]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})

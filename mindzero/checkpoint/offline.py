@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..core.checks import require_int
 from ..core.plan import REASON_FROZEN, REASON_PERSISTENT, REASON_USER, ParamInfo, PartitionPlan, is_per_rank
-from .format import FORMATS, SplitInfo, SplitInfoError, entry_at, split_info_name, write_marker
+from .format import FORMATS, SplitInfo, SplitInfoError, Target, entry_at, split_info_name, write_marker
 from .source import MergeError, Source
 from ..core.checksum import crc32_array
 from .tensor_io import np_dtype, open_writer
@@ -145,7 +145,7 @@ def _resharded_infos(src: Source, world_size: int, stage: int, fmt: str, run_id:
         entries = []
         for t in src.ref.tensors:
             spec = specs[t.param].for_rank(rank) if t.param else None
-            entries.append(entry_at(t.name, t.kind, t.shape, t.dtype, spec, stage, fmt))
+            entries.append(entry_at(t.name, t.kind, t.shape, t.dtype, spec, Target(stage, fmt)))
         out.append(SplitInfo(run_id, stage, world_size, rank, src.ref.step, fmt, plan.fingerprint(), tuple(entries)))
     return out
 

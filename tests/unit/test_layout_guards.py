@@ -1,6 +1,7 @@
 """Guards of the package layout (docs/architecture.md), pure: the core and the offline tools import without
-MindSpore, every import (module level or inside a function) goes down the layers, and no import cycle runs
-through mindzero's modules."""
+MindSpore, every import (module level or inside a function) goes down the layers, no import cycle runs
+through mindzero's modules, no module is over 500 lines and no function takes over 8 parameters (but
+``prepare_train_network``, mindone's signature)."""
 import ast
 import pkgutil
 import subprocess
@@ -159,3 +160,39 @@ def test_the_layer_check_finds_an_upward_import():
                                        "mindzero.launch.local -> mindzero.comm.groups"]
     tree = ast.parse("def f():\n    from ..engine.kernels import MAP\n")
     assert any(isinstance(n, ast.ImportFrom) and n.module == "engine.kernels" for n in ast.walk(tree))
+
+
+MAX_LINES, MAX_PARAMETERS = 500, 8
+#: mindone's signature, kept whole
+WIDE_FUNCTIONS = {("mindzero.engine.prepare", "prepare_train_network")}
+
+
+def size_violations(sources: dict) -> list:
+    """``module (lines)`` over :data:`MAX_LINES` and ``module.function (parameters)`` over :data:`MAX_PARAMETERS`
+    (``self``/``cls`` not counted) in ``{module: source}``."""
+    bad = []
+    for module, source in sorted(sources.items()):
+        lines = source.count("\n")
+        if lines > MAX_LINES:
+            bad.append(f"{module} ({lines} lines)")
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or (module, node.name) in WIDE_FUNCTIONS:
+                continue
+            a = node.args
+            names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x is not None]
+            count = len(names) - (names[:1] in (["self"], ["cls"]))
+            if count > MAX_PARAMETERS:
+                bad.append(f"{module}.{node.name} ({count} parameters)")
+    return bad
+
+
+def test_modules_and_functions_stay_small():
+    sources = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts): p.read_text()
+               for p in PACKAGE.rglob("*.py")}
+    assert size_violations(sources) == []
+
+
+def test_the_size_check_finds_a_long_module_and_a_wide_function():
+    wide = "class A:\n    def f(self, a, b, c, d, e, f, g, h, *rest):\n        pass\n" + "\n" * 500
+    assert size_violations({"m": wide, "n": "def g(a, b, c, d, e, f, g, h):\n    pass\n"}) == ["m (503 lines)",
+                                                                                            "m.f (9 parameters)"]

@@ -14,7 +14,7 @@ from mindzero.core.checksum import crc32_array
 from mindzero.checkpoint.source import MergeError
 from mindzero.checkpoint.offline import merge_checkpoint, reshard_checkpoint, verify_checkpoint
 from mindzero.core.plan import REASON_BUFFER, ParamInfo, PartitionPlan
-from mindzero.checkpoint.format import FORMAT_VERSION, SplitInfo, entry_at, split_info_name, write_marker
+from mindzero.checkpoint.format import FORMAT_VERSION, SplitInfo, Target, entry_at, split_info_name, write_marker
 
 # a.weight, b.weight, c: optimized; bn.moving_mean: a buffer (per rank); frozen.weight: frozen (sharded at stage 3)
 SHAPES = {"a.weight": (7, 15), "b.weight": (17, 257), "c": (), "bn.moving_mean": (6,), "frozen.weight": (5, 3)}
@@ -43,7 +43,7 @@ def write_synthetic(directory, n, stage, fmt="ckpt", seed=0, per_rank_offset=100
                                                           "parameter")
             param = "" if kind == "scalar" else name.replace("adam_m.", "")
             spec = plan[param].for_rank(r) if param else None
-            entry = entry_at(name, kind, value.shape, str(value.dtype), spec, stage, fmt)
+            entry = entry_at(name, kind, value.shape, str(value.dtype), spec, Target(stage, fmt))
             per_rank = entry.per_rank
             assert per_rank == (kind == "parameter" and spec.reason == REASON_BUFFER)
             piece = value + per_rank_offset * r if per_rank else value
