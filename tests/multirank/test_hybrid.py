@@ -96,6 +96,7 @@ def test_every_rank_of_a_hybrid_run_sees_its_own_data(res):
             assert len(set(seen[:, step])) == N, (name, step, seen[:, step])
 
 
+@scenarios(lambda stage: [f"clip-h{stage}", "clip-dp0"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_hybrid_clip_equals_flat_stage0_clip(res, stage):
     for r in range(N):
@@ -126,6 +127,7 @@ def test_hybrid_mixed_precision_equals_flat_stage0(res, stage):
         assert_same_run(got, res.load(r, "mp-flat0"), f"mp hybrid stage {stage} rank {r}", rtol=RTOL_FP16)
 
 
+@scenarios(lambda stage: [f"overflow-h{stage}", "overflow-dp0"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_overflow_on_one_rank_is_skipped_by_both_replicas(res, stage):
     """inf in rank 3's input at step 4 (replica 1): all 4 ranks skip, the scale halves, and the run

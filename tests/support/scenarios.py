@@ -240,16 +240,22 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
 HYBRID = {"hybrid_shard_size": 2}
 
 
+#: the hybrid rows of the default suite; the others run in the full tier, each beside a default row of its code path
+#: (the mixed net runs hybrid stages 0-3 and the GPT stage 3; every model runs every stage in the 2-rank parity
+#: launch; clipping, overflow and owner mode keep one hybrid stage each, accumulation stages 2 and 3, the GPU/Ascend
+#: path one unfused and one fused stage)
+HYBRID_DEFAULT = {"mixed-dp", "mixed-h0", "mixed-h1", "mixed-h2", "mixed-h3", "gpt-dp", "gpt-h3", "clip-dp0",
+                  "clip-h3", "overflow-dp0", "overflow-h2", "accum-dp", "accum-h2", "accum-h3", "mp-flat0", "mp-h3",
+                  "units-h3", "persist-h3", "came-dp", "came-h3", "real-h2", "real-fused-h3"}
+
+
 def hybrid_scenarios(full_tier: bool = True) -> list:
     """Every scenario of the hybrid launch (4 ranks, op groups of 2, two replicas) and its plain-DP references
-    (without ``full_tier``, the default suite's: the models other than the mixed net at hybrid stages 0-2 and the
-    fused GPU/Ascend path at hybrid stage 2 are left to the full tier; their stage 3, mixed-h0..h3, clip-h1..h3,
-    overflow-h1..h3, accum-h2/h3 and the fused path at hybrid stages 1 and 3 stay)."""
+    (without ``full_tier``, the default suite's: :data:`HYBRID_DEFAULT`)."""
     out = []
     for model, opt in MODEL_OPTIMIZERS:
         out.append(Scenario(f"{model}-dp", model, opt, "dp"))
-        out += [Scenario(f"{model}-h{stage}", model, opt, stage, HYBRID,
-                         tier=FULL if model != "mixed" and stage < 3 else DEFAULT) for stage in (0, 1, 2, 3)]
+        out += [Scenario(f"{model}-h{stage}", model, opt, stage, HYBRID) for stage in (0, 1, 2, 3)]
     out += [Scenario(f"clip-h{stage}", "mixed", "adamw_groups", stage, {**HYBRID, **CLIP}) for stage in (1, 2, 3)]
     out.append(Scenario("overflow-dp0", "mixed", "adamw_groups", 0, {"scale_sense": DYNAMIC}, force_overflow=True))
     out += [Scenario(f"overflow-h{stage}", "mixed", "adamw_groups", stage, {**HYBRID, "scale_sense": DYNAMIC},
@@ -263,14 +269,14 @@ def hybrid_scenarios(full_tier: bool = True) -> list:
     out.append(Scenario("units-h3", "gpt", "sgd_decay", 3, {**HYBRID, "gather_units": "block"}, reference="gpt-h3"))
     # owner mode inside the op groups (an owner per op group; the broadcast emulated on CPU): mindone's CAME
     out.append(Scenario("came-dp", "mixed", "came", "dp"))
-    out += [Scenario(f"came-h{stage}", "mixed", "came", stage, HYBRID, tier=FULL if stage == 1 else DEFAULT)
-            for stage in (1, 2, 3)]
+    out += [Scenario(f"came-h{stage}", "mixed", "came", stage, HYBRID) for stage in (1, 2, 3)]
     out.append(Scenario("persist-h3", "gpt", "sgd_decay", 3, {**HYBRID, **PERSIST}, reference="gpt-h3"))
     for stage in (1, 2, 3):  # the GPU/Ascend path: op-group ReduceScatter + dp-group AllReduce, CPU-legal
         for fused in (False, True):
             settings = {**HYBRID, **CLIP, **({"comm_fusion": thirds("mixed")} if fused else {})}
             out.append(Scenario(f"real-{'fused-' if fused else ''}h{stage}", "mixed", "adamw_groups", stage, settings,
-                                substitute=True, tier=FULL if fused and stage == 2 else DEFAULT))
+                                substitute=True))
+    out = [dataclasses.replace(s, tier=DEFAULT if s.name in HYBRID_DEFAULT else FULL) for s in out]
     return in_tier(out, full_tier)
 
 
