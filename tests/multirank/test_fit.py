@@ -31,7 +31,9 @@ def planner():
     p.close()
 
 
-@pytest.mark.parametrize("options", [{"zero_stage": 0}, {"zero_stage": 3}], ids=["stage0", "stage3"])
+# stage 0 in the full tier: stage 3's prediction has every part stage 0's has and the gathers besides
+@pytest.mark.parametrize("options", [pytest.param({"zero_stage": 0}, marks=pytest.mark.full), {"zero_stage": 3}],
+                         ids=["stage0", "stage3"])
 def test_the_predicted_peak_is_within_15_percent_of_a_real_launch(planner, options, tmp_path):
     pred = planner.predict(options)
     spec = dict(factory=GPT, factory_kwargs=KWARGS, options=options, batch=planner.batch, steps=3,
