@@ -267,8 +267,7 @@ class ZeroTrainOneStepCell(nn.Cell):
                 grads = MAP(ops.partial(depend_on, step), self.accum_buffers)
                 overflow, _ = self._apply(grads, scale)
                 overflow = ops.depend(overflow, MAP(ops.partial(zero_after, overflow), self.accum_buffers))
-        skipped = overflow if self.drop_overflow_update else ops.zeros((), ms.bool_)
-        return loss, overflow, scale, self.states.handoff(due, skipped, grads)
+        return loss, overflow, scale, self.states.handoff(due, self._skipped(overflow), grads)
 
     def _apply(self, grads, scale):
         # every reduction is a sum over the world: one multiply by 1 / (loss_scale * K * N), right after each
@@ -285,8 +284,11 @@ class ZeroTrainOneStepCell(nn.Cell):
                 overflow = self._update(grads, overflow)
         else:
             overflow = self._update(grads, overflow)
-        skipped = overflow if self.drop_overflow_update else ops.zeros((), ms.bool_)
-        return self.states.settle(skipped, overflow), grads
+        return self.states.settle(self._skipped(overflow), overflow), grads
+
+    def _skipped(self, overflow):
+        """Whether this update step's update is skipped: it overflowed and ``drop_overflow_update`` is set."""
+        return overflow if self.drop_overflow_update else ops.zeros((), ms.bool_)
 
     def _update(self, grads, after):
         """The optimizer step: the masters refreshed (:class:`Refresh`), then the store's update
