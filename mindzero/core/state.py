@@ -129,6 +129,15 @@ class ZeroState:
     order: object = None  # a scalar Parameter the update's collectives are chained through (train_step's note)
 
     @property
+    def ordered(self) -> bool:
+        """Whether the update's collectives are chained through ``order``: only where the ranks compile different
+        update graphs, which owner mode alone makes (an owner updates a parameter whole, the others a stand-in).
+        Elsewhere every rank compiles the same graph, so MindSpore's scheduler issues the collectives in the same
+        order on every rank, and the chain would only add nodes to compile (a load, an add, an assign and their
+        ordering per collective: a quarter of a stage-1 step's graph)."""
+        return bool(self.owner_grads or self.broadcasts)
+
+    @property
     def fusion(self):
         return self.config.fusion
 

@@ -143,22 +143,32 @@ def after_collective(token, out):
     return ops.depend(out, ops.assign(token, ops.depend(token + 1, out)))
 
 
-@gather_unit.register("Tensor", "Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
-def _gather_unit(after, token, fulls, shards, gather, positions, bucket):
-    """After ``after`` and the previous collective (``token``): one bucket's all-gather of updated master shards into
-    their full parameters (in the parameters' dtype: a bucket has one)."""
+@gather_unit.register("Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
+def _gather_unit(after, fulls, shards, gather, positions, bucket):
+    """After ``after``: one bucket's all-gather of updated master shards into their full parameters (in the
+    parameters' dtype: a bucket has one)."""
     held = pick(fulls, positions)
-    shards = MAP(ops.partial(depend_on, in_order(token, after)), pick(shards, positions))
-    values = after_collective(token, gather(MAP(ops.partial(cast_to, held[0].dtype), shards), bucket))
-    return MAP(write_gathered, held, values)
+    shards = MAP(ops.partial(depend_on, after), pick(shards, positions))
+    return MAP(write_gathered, held, gather(MAP(ops.partial(cast_to, held[0].dtype), shards), bucket))
+
+
+@gather_unit.register("Tensor", "Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
+def _gather_unit_in_order(after, token, fulls, shards, gather, positions, bucket):
+    """:func:`_gather_unit` after the previous collective (``token``), recorded as the last one."""
+    return after_collective(token, _gather_unit(in_order(token, after), fulls, shards, gather, positions, bucket))
+
+
+@gather_write.register("Tensor", "Function", "Tensor", "Tensor")
+def _gather_write(after, gather, full, shard):
+    """After ``after``: one all-gather of an updated master shard into its full parameter (mixed precision: in
+    param_dtype, half the bytes of fp32)."""
+    return _write_gathered(full, gather(_cast_to(full.dtype, ops.depend(shard, after))))
 
 
 @gather_write.register("Tensor", "Tensor", "Function", "Tensor", "Tensor")
-def _gather_write(after, token, gather, full, shard):
-    """After ``after`` and the previous collective (``token``): one all-gather of an updated master shard into its
-    full parameter (mixed precision: in param_dtype, half the bytes of fp32)."""
-    shard = in_order(token, ops.depend(shard, after))
-    return _write_gathered(full, after_collective(token, gather(_cast_to(full.dtype, shard))))
+def _gather_write_in_order(after, token, gather, full, shard):
+    """:func:`_gather_write` after the previous collective (``token``), recorded as the last one."""
+    return after_collective(token, _gather_write(in_order(token, after), gather, full, shard))
 
 
 @write_gathered.register("Tensor", "Tensor")

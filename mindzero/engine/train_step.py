@@ -41,7 +41,9 @@ same collectives, from the same buckets (:func:`mindzero.core.comm_plan.step_buc
 MindSpore's scheduler would order independent collectives differently on different ranks (measured: two
 all-gathers of different sizes met, "RingAllGather Memcpy error"), so from the owner-mode gradients' all-gathers
 on every collective of the update waits for the one before it: each records itself in ``state.order`` (a scalar
-Parameter) and the next reads it first (MindSpore keeps reads and writes of a Parameter in program order).
+Parameter) and the next reads it first (MindSpore keeps reads and writes of a Parameter in program order). Without
+owner mode every rank compiles the same graph and the update's collectives are not chained (``state.ordered``):
+the chain would add a quarter of a stage-1 step's graph to compile and order nothing the scheduler does not.
 
 Returns ``(loss, overflow, loss_scale)`` like ``nn.TrainOneStepWithLossScaleCell``;
 ``loss`` is this rank's local loss of the micro-batch.

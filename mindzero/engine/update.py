@@ -4,7 +4,8 @@ gathered to their owners (:class:`OwnerGradients`); after it, the write-back (:c
 all-gather the updated flat master shards into the full parameters (:class:`GatherInto`), owners broadcast what
 they updated, ``param_dtype`` masters are cast back.
 
-Every collective of the update runs after the one before it (``state.order``: the train step's module note).
+Where owner mode makes the ranks' update graphs differ, every collective of the update runs after the one before
+it (``state.order``, ``state.ordered``: the train step's module note).
 """
 from __future__ import annotations
 
@@ -23,11 +24,15 @@ class GatherInto(nn.Cell):
     """Stages 1-2: all-gather updated flat master shards, each written into its full network parameter (one
     all-gather per ``comm_fusion`` bucket; per tensor without fusion). ``units``: the ``gather``
     :class:`~mindzero.core.state.CommBucket` (positions in optimizer order); ``fulls`` / ``shards``: the
-    parameters and their master shards, one per optimizer position (``None`` where none is gathered)."""
+    parameters and their master shards, one per optimizer position (``None`` where none is gathered). ``token``:
+    the update's chain (``ZeroState.order``) where its collectives are ordered (``ZeroState.ordered``), else
+    ``None``."""
 
     def __init__(self, units, world: World, fulls, shards, token):
         super().__init__(auto_prefix=False)
-        self.token = token
+        self.ordered = token is not None
+        if self.ordered:
+            self.token = token
         order = [i for u in units for i in u.positions]
         at = {i: k for k, i in enumerate(order)}
         self.fulls = ParameterTuple([fulls[i] for i in order])
@@ -40,11 +45,16 @@ class GatherInto(nn.Cell):
 
     def construct(self, after):
         """Gather after ``after``; returns ``after`` made to depend on every write."""
-        if self.per_tensor:
+        if self.per_tensor and self.ordered:
             done = MAP(ops.partial(gather_write, after, self.token), self.gathers, self.fulls, self.shards)
-        else:
+        elif self.per_tensor:
+            done = MAP(ops.partial(gather_write, after), self.gathers, self.fulls, self.shards)
+        elif self.ordered:
             done = MAP(ops.partial(gather_unit, after, self.token, self.fulls, self.shards), self.gathers,
                        self.positions, self.buckets)
+        else:
+            done = MAP(ops.partial(gather_unit, after, self.fulls, self.shards), self.gathers, self.positions,
+                       self.buckets)
         return ops.depend(after, done)
 
 
@@ -93,7 +103,7 @@ class WriteBack(nn.Cell):
         self.has_gather = bool(state.gather)
         if self.has_gather:
             self.gather = GatherInto(state.gather, state.world, [ps.weight for ps in state.params],
-                                     [ps.target for ps in state.params], state.order)
+                                     [ps.target for ps in state.params], state.order if state.ordered else None)
         self.broadcasts = nn.CellList([_OwnerBroadcast(b, state) for b in state.broadcasts], auto_prefix=False)
         self.has_broadcast = bool(state.broadcasts)
         local = state.masters_of(CAST)

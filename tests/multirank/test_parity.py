@@ -113,6 +113,25 @@ def test_gather_units_cut_the_gathers_counted_in_the_executed_graph(run):
         assert "weight gathers" not in one["verbose"]
 
 
+def test_the_compiled_steps_collective_kernels_are_the_plans(run):
+    """The all-gathers of a compiled stage-1 and stage-3 TinyGPT step (SGD, every parameter sharded), read in the
+    graph MindSpore executes: stage 1 compiles one write-back gather per parameter, the plan's count, each of a size
+    the plan lists, and its graph never touches the update's chain (no owner mode: every rank compiles the same
+    graph, so nothing needs ordering); stage 3's gathers have exactly the plan's distinct sizes (each gather of one
+    shape is one kernel shape, forward and backward alike) and number at most the plan's (graph mode drops the
+    backward gathers no gradient needs)."""
+    n, res = run
+    for r in range(n):
+        c = res.json(r, "unit_gathers.json")
+        one, three = c["stage1"], c["per_parameter"]
+        assert one["all_gather"] == one["plan"]["all_gather"] > 0, one
+        assert one["chain"] == 0, one
+        for got in (one, three):
+            assert {4 * n * s for s in got["gather_sizes"]} == set(got["plan_gather_bytes"]), got
+            assert len(got["gather_sizes"]) == got["all_gather"]
+        assert three["all_gather"] <= three["plan"]["all_gather"]
+
+
 @scenarios(lambda name, ref: [name, ref])
 @pytest.mark.parametrize("name, ref", [(p.name, p.reference) for p in PERSISTS], ids=[p.name for p in PERSISTS])
 def test_persistence_threshold_trains_as_sharding_everything(run, name, ref):

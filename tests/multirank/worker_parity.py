@@ -66,9 +66,10 @@ def count_collectives(world, out_dir):
 
 
 def count_unit_gathers(world, out_dir):
-    """Graph mode: the collectives of one compiled TinyGPT stage-3 step with and without ``gather_units="block"``
-    (one unit of the block's 12 parameters), counted in the executed graph MindSpore saves (``save_graphs``),
-    next to the plan's counts."""
+    """Graph mode: the collectives of one compiled TinyGPT step counted in the executed graph MindSpore saves
+    (``save_graphs``), next to the plan's: stage 3 with and without ``gather_units="block"`` (one unit of the
+    block's 12 parameters), and stage 1 (its write-back gathers, and how often the graph touches the update's
+    chain, ``zero_collective_order``: never without owner mode)."""
     import glob
     import os
     import re
@@ -80,13 +81,13 @@ def count_unit_gathers(world, out_dir):
     from mindzero.engine.report import plan_text
 
     results = {}
-    for variant, units in (("per_parameter", None), ("units", "block")):
+    for variant, stage, units in (("per_parameter", 3, None), ("units", 3, "block"), ("stage1", 1, None)):
         with tempfile.TemporaryDirectory(dir=out_dir) as ir:
             ms.set_context(save_graphs=1, save_graphs_path=ir)
             try:
                 net = build("gpt")
                 # every parameter sharded (threshold 0), so that the block's unit holds all 12
-                train = mindzero.prepare_train_network(net, make_optimizer("sgd", net), zero_stage=3,
+                train = mindzero.prepare_train_network(net, make_optimizer("sgd", net), zero_stage=stage,
                                                        gather_units=units, stage3_param_persistence_threshold=0)
                 train(*batch(type(net), 0, world.world_rank, 0))
             finally:
@@ -96,7 +97,10 @@ def count_unit_gathers(world, out_dir):
         plan = summarize(train.zero_info.calls)
         results[variant] = dict(all_gather=len(re.findall(r"= AllGather\(", text)), gather_sizes=[int(x) for x in sizes],
                                 all_reduce=len(re.findall(r"= AllReduce\(", text)),
+                                chain=len(re.findall(r"zero_collective_order", text)),
                                 plan={op: plan[op]["calls"] for op in ("all_gather", "all_reduce")},
+                                plan_gather_bytes=sorted({c.nbytes for c in train.zero_info.calls
+                                                          if c.op == "all_gather"}),
                                 units=[list(u) for u in train.zero_info.units],
                                 unit_shard=sum(s.shard_size for s in train.zero_info.plan if s.name.startswith("block.")),
                                 verbose=plan_text(train))

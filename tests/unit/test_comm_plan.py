@@ -125,3 +125,29 @@ def test_owner_broadcasts_are_bucketed_per_owner_and_dtype_and_bounded():
     *_, broadcasts = step_buckets(params, policy, FusionConfig(allgather=16 * MIB))
     assert [(b.root, b.positions) for b in broadcasts] == [(0, (0,)), (0, (2,)), (0, (3,)), (0, (5,)), (1, (1,)),
                                                            (1, (4,))]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_update_is_chained_only_where_owner_mode_makes_the_ranks_graphs_differ(stage):
+    """``ZeroState.ordered``: the update's collectives wait one for another (a load, an add and an assign of the
+    chain per collective, compiled on every rank) only with an owner-mode parameter, whose update graph differs
+    between ranks; a step of flat updates alone (the same graph on every rank) gathers its shards unchained."""
+    from mindzero.core.comm_plan import step_buckets
+    from mindzero.core.optim_plan import FLAT, OWNER, Update
+    from mindzero.core.state import ParamState, ZeroState
+
+    plan = PartitionPlan.build([ParamInfo(f"w{i}", (33, 5)) for i in range(3)] + [ParamInfo("bias", (7,))], 2, 0)
+    policy = ZeroConfig(stage, 1, False).policy
+
+    def state(owners):
+        params = tuple(ParamState(s.name, None, s, s, True, update=Update(FLAT) if o is None else Update(OWNER, o))
+                       for s, o in zip(plan, owners))
+        micro, boundary, gather, owner_grads, broadcasts = step_buckets(params, policy, FusionConfig())
+        return ZeroState(None, None, plan, params, micro=micro, boundary=boundary, gather=gather,
+                         owner_grads=owner_grads, broadcasts=broadcasts)
+
+    flat = state([None] * 4)
+    assert not flat.ordered
+    assert bool(flat.gather) == (stage in (1, 2))  # stages 1-2 gather every updated shard: unchained
+    owned = state([0, 1, None, None])
+    assert owned.ordered and owned.owner_grads and owned.broadcasts
