@@ -30,7 +30,9 @@ store = ops.MultitypeFuncGraph("mindzero_store")
 zero_after = ops.MultitypeFuncGraph("mindzero_zero_after")
 depend_on = ops.MultitypeFuncGraph("mindzero_depend_on")
 gather_unit = ops.MultitypeFuncGraph("mindzero_gather_unit")
+gather_unit_in_order = ops.MultitypeFuncGraph("mindzero_gather_unit_in_order")
 gather_write = ops.MultitypeFuncGraph("mindzero_gather_write")
+gather_write_in_order = ops.MultitypeFuncGraph("mindzero_gather_write_in_order")
 write_gathered = ops.MultitypeFuncGraph("mindzero_write_gathered")
 refresh = ops.MultitypeFuncGraph("mindzero_refresh")
 owner_grad = ops.MultitypeFuncGraph("mindzero_owner_grad")
@@ -152,7 +154,7 @@ def _gather_unit(after, fulls, shards, gather, positions, bucket):
     return MAP(write_gathered, held, gather(MAP(ops.partial(cast_to, held[0].dtype), shards), bucket))
 
 
-@gather_unit.register("Tensor", "Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
+@gather_unit_in_order.register("Tensor", "Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
 def _gather_unit_in_order(after, token, fulls, shards, gather, positions, bucket):
     """:func:`_gather_unit` after the previous collective (``token``), recorded as the last one."""
     return after_collective(token, _gather_unit(in_order(token, after), fulls, shards, gather, positions, bucket))
@@ -165,7 +167,7 @@ def _gather_write(after, gather, full, shard):
     return _write_gathered(full, gather(_cast_to(full.dtype, ops.depend(shard, after))))
 
 
-@gather_write.register("Tensor", "Tensor", "Function", "Tensor", "Tensor")
+@gather_write_in_order.register("Tensor", "Tensor", "Function", "Tensor", "Tensor")
 def _gather_write_in_order(after, token, gather, full, shard):
     """:func:`_gather_write` after the previous collective (``token``), recorded as the last one."""
     return after_collective(token, _gather_write(in_order(token, after), gather, full, shard))

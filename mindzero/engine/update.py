@@ -16,8 +16,8 @@ from ..comm.cells import AllGather, Bucket, FusedAllGather
 from ..core.optim_plan import OWNER, placeholder_shape
 from ..core.state import CAST, GATHER, ZeroState
 from ..core.topology import World
-from .kernels import (MAP, after_collective, broadcast_input, broadcast_write, gather_unit, gather_write, in_order,
-                      owner_grad, refresh, write_cast)
+from .kernels import (MAP, after_collective, broadcast_input, broadcast_write, gather_unit, gather_unit_in_order,
+                      gather_write, gather_write_in_order, in_order, owner_grad, refresh, write_cast)
 
 
 class GatherInto(nn.Cell):
@@ -46,11 +46,11 @@ class GatherInto(nn.Cell):
     def construct(self, after):
         """Gather after ``after``; returns ``after`` made to depend on every write."""
         if self.per_tensor and self.ordered:
-            done = MAP(ops.partial(gather_write, after, self.token), self.gathers, self.fulls, self.shards)
+            done = MAP(ops.partial(gather_write_in_order, after, self.token), self.gathers, self.fulls, self.shards)
         elif self.per_tensor:
             done = MAP(ops.partial(gather_write, after), self.gathers, self.fulls, self.shards)
         elif self.ordered:
-            done = MAP(ops.partial(gather_unit, after, self.token, self.fulls, self.shards), self.gathers,
+            done = MAP(ops.partial(gather_unit_in_order, after, self.token, self.fulls, self.shards), self.gathers,
                        self.positions, self.buckets)
         else:
             done = MAP(ops.partial(gather_unit, after, self.fulls, self.shards), self.gathers, self.positions,
