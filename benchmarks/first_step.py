@@ -1,7 +1,7 @@
 """Where the first step goes: graph compile, the first execution, and a steady step, for plain DP and stages 0-3.
 
     .venv/bin/python benchmarks/first_step.py [--worlds 2] [--configs dp,0,1,2,3] [--repeats 2]
-        [--dim 512 --layers 6 --vocab 512 --seq 64] [--out runs/first_step]
+        [--dim 512 --layers 6 --vocab 512 --seq 64] [--baseline DIR] [--out runs/first_step]
 
 Each configuration is launched ``--repeats`` times (msrun, one launch per run, so every run compiles from
 nothing) by ``zero_bench_worker.py --split-compile``: the step is compiled with ``Cell.compile`` (MindSpore's
@@ -14,6 +14,10 @@ own start-up is visible apart from the network.
 Per configuration (rank 0, the median over the repeats; every run in the JSON): compile s, first execution s,
 the first step (their sum) and its ratio to plain DP's, the steady step, the first step's excess over a steady
 step, the collectives per step and the distinct collective kernels (kind and size) of the plan.
+
+``--baseline DIR``: a checkout of another commit (``git worktree add DIR <commit>``): every launch is made from
+both trees, interleaved, so a before/after comparison is measured side by side in one run; each tree's ratios are
+to its own plain DP, and the table says whether each configuration's losses are the baseline's, bit for bit.
 
 Writes ``results.json`` and ``results.md`` under ``--out``. Needs the machine alone: the ranks of a launch share
 its cores, and the figures are seconds.
@@ -37,15 +41,15 @@ from zero_bench_worker import add_model_args, model_args  # noqa: E402
 DEFAULTS = dict(dim=512, layers=6, heads=8, vocab=512, seq=64, batch=2)
 
 
-def run(config, world, out: Path, a, repeat: int) -> dict:
-    run_dir = out / f"w{world}_{config}_r{repeat}"
+def run(config, world, out: Path, a, repeat: int, root: Path = ROOT, tag: str = "") -> dict:
+    run_dir = out / f"w{world}_{config}_r{repeat}{tag}"
     args = ["--config", config, "--steps", str(a.steps), "--split-compile", "--persistence", str(a.persistence),
             *model_args(a)]
     if config != "dp":
         args.append("--lazy")
     t = time.time()
-    msrun(ROOT / "benchmarks" / "zero_bench_worker.py", world, run_dir, args=args, timeout=a.timeout)
-    print(f"  {NAMES[config]} x{world} run {repeat}: {time.time() - t:.0f}s", flush=True)
+    msrun(root / "benchmarks" / "zero_bench_worker.py", world, run_dir, args=args, timeout=a.timeout)
+    print(f"  {NAMES[config]}{tag} x{world} run {repeat}: {time.time() - t:.0f}s", flush=True)
     return json.loads((run_dir / "rank_0.json").read_text())
 
 
@@ -59,7 +63,8 @@ def summarize(runs: dict, world: int) -> list:
                    first_step_s=med("first_step_s"), steady_s=steady,
                    every_first_step=[round(r["first_step_s"], 2) for r in ranks],
                    calls=ranks[0]["comm"]["total"]["calls"],  # the plan's (plain DP: its all-reduces)
-                   kernels=ranks[0].get("distinct_kernels"))  # distinct (kind, bytes); plain DP: not counted
+                   kernels=ranks[0].get("distinct_kernels"),  # distinct (kind, bytes); plain DP: not counted
+                   losses=ranks[0].get("losses"))
         row["excess_s"] = row["first_step_s"] - steady
         if config == "dp":
             dp = row
@@ -88,7 +93,8 @@ def markdown(rows, kinds, command: str) -> str:
                      f"{r['first_step_s']:.2f} | {r.get('ratio', float('nan')):.2f}x | "
                      f"{r.get('compile_ratio', float('nan')):.2f}x | {r['steady_s']:.2f} | {r['excess_s']:.2f} | "
                      f"{r['calls']} | {r['kernels'] if r['kernels'] is not None else ''} | "
-                     f"{r['every_first_step']} |")
+                     f"{r['every_first_step']} |" + ("" if "same_losses_as_baseline" not in r else
+                                                       f" losses as the baseline: {r['same_losses_as_baseline']} |"))
     if kinds:
         lines += ["", "One collective alone (a graph holding it; 1 MiB of fp32; rank 0):", "",
                   "| collective | compile s | first execution s | second execution s |", "|---|---|---|---|"]
@@ -105,6 +111,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="steps after the first (the steady step's median)")
     ap.add_argument("--persistence", type=int, default=100_000, help="the threshold of a 'p' configuration")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--baseline", help="a checkout of another commit, launched beside this tree (interleaved)")
     ap.add_argument("--out", default="runs/first_step")
     add_model_args(ap, **DEFAULTS)
     a = ap.parse_args(argv)
@@ -113,15 +120,25 @@ def main(argv=None):
     command = "benchmarks/first_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
     results = {"command": command, "worlds": {}}
     text = []
+    trees = [("", ROOT)] + ([("@baseline", Path(a.baseline).resolve())] if a.baseline else [])
     for world in (int(w) for w in a.worlds.split(",")):
-        runs = {}
+        runs = {tag: {} for tag, _ in trees}
         for repeat in range(a.repeats):  # interleaved: a slow minute of the machine touches every configuration
-            for config in a.configs.split(","):
-                runs.setdefault(config, []).append(run(config, world, out, a, repeat))
-        rows = summarize(runs, world)
+            for tag, root in trees:
+                for config in a.configs.split(","):
+                    runs[tag].setdefault(config, []).append(run(config, world, out, a, repeat, root, tag))
         kinds = collectives(world, out, a)
-        results["worlds"][world] = dict(rows=rows, collectives=kinds)
-        text.append(markdown(rows, kinds, command))
+        results["worlds"][world] = {}
+        for tag, root in trees:
+            rows = summarize(runs[tag], world)
+            if a.baseline:
+                base = {r["config"]: r for r in summarize(runs["@baseline"], world)}
+                for row in rows:
+                    row["same_losses_as_baseline"] = row["losses"] == base[row["config"]]["losses"]
+            results["worlds"][world][tag or "this tree"] = dict(rows=rows, root=str(root))
+            text.append(f"{'baseline ' + str(root) if tag else 'this tree'}:\n\n"
+                        + markdown(rows, kinds if tag == trees[-1][0] else [], command))
+        results["worlds"][world]["collectives"] = kinds
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text("\n".join(text))
     print("\n".join(text))

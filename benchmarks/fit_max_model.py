@@ -1,7 +1,7 @@
 """``mindzero-plan`` against ``max_model.py``'s ladder: the largest GPT each configuration trains in the ladder's
 22 GiB, 4-rank job, predicted from one-process rehearsals, next to the largest the ladder found by training.
 
-    .venv/bin/python benchmarks/fit_max_model.py [--ladder docs/img/max_model_results.json] [--out runs/fit_max_model]
+    .venv/bin/python benchmarks/fit_max_model.py [--ladder docs/results/max_model_results.json] [--out runs/fit_max_model]
 
 The per-rank budget is the job's, less what the ladder measured outside the ranks' growth: ``(budget -
 launcher) / N - baseline``, where ``baseline`` is a rank's RSS right after ``init()`` and ``launcher`` (msrun and
@@ -42,7 +42,7 @@ def per_rank_budget(ladder: dict) -> tuple:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ladder", default=str(ROOT / "docs" / "img" / "max_model_results.json"))
+    ap.add_argument("--ladder", default=str(ROOT / "docs" / "results" / "max_model_results.json"))
     ap.add_argument("--out", default="runs/fit_max_model")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--margin", type=float, default=0.0, help="mindzero-plan's margin (0: the prediction itself)")

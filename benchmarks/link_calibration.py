@@ -1,6 +1,6 @@
 """Which shaped-link rate gives this machine the compute-to-link ratio of a named accelerator cluster.
 
-    .venv/bin/python benchmarks/link_calibration.py [--results docs/img/zero_bench_results.json] [--world 4]
+    .venv/bin/python benchmarks/link_calibration.py [--results docs/results/zero_bench_results.json] [--world 4]
         [--cluster dgx-a100 ...] [--mfu 0.4] [--out runs/link_calibration]
 
 Reads a measured plain-DP step of the benchmark GPT from a ``zero_bench.py`` results file (the model's shape and
@@ -130,7 +130,7 @@ def gpt_step_flops(model: dict) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--results", default=str(ROOT / "docs" / "img" / "zero_bench_results.json"))
+    ap.add_argument("--results", default=str(ROOT / "docs" / "results" / "zero_bench_results.json"))
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--cluster", action="append", choices=sorted(CLUSTERS), help="default: all")
     ap.add_argument("--mfu", type=float, default=None, help="the fraction of peak a device achieves (default 0.4)")
