@@ -129,12 +129,13 @@ def main(argv=None):
                     runs[tag].setdefault(config, []).append(run(config, world, out, a, repeat, root, tag))
         kinds = collectives(world, out, a)
         results["worlds"][world] = {}
+        summaries = {tag: summarize(runs[tag], world) for tag, _ in trees}
+        if a.baseline:  # this tree's rows against the baseline's, configuration by configuration
+            base = {r["config"]: r for r in summaries["@baseline"]}
+            for row in summaries[""]:
+                row["same_losses_as_baseline"] = row["losses"] == base[row["config"]]["losses"]
         for tag, root in trees:
-            rows = summarize(runs[tag], world)
-            if a.baseline:
-                base = {r["config"]: r for r in summarize(runs["@baseline"], world)}
-                for row in rows:
-                    row["same_losses_as_baseline"] = row["losses"] == base[row["config"]]["losses"]
+            rows = summaries[tag]
             results["worlds"][world][tag or "this tree"] = dict(rows=rows, root=str(root))
             text.append(f"{'baseline ' + str(root) if tag else 'this tree'}:\n\n"
                         + markdown(rows, kinds if tag == trees[-1][0] else [], command))
