@@ -30,8 +30,10 @@ import hashlib
 import os
 import runpy
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # (rank, size, job id) variables of each launcher family, first match wins
@@ -99,6 +101,19 @@ def start_scheduler(env: dict, log_path: Path) -> subprocess.Popen:
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
 
 
+def wait_for_scheduler(scheduler: subprocess.Popen, host: str, port: int, timeout: float = SCHEDULER_WAIT) -> None:
+    """Return once the scheduler accepts connections (or has exited, or ``timeout`` passed). MindSpore's worker
+    that tries to register before its scheduler listens kept failing to connect for 10-15 s after the scheduler
+    was up (measured under mpirun on loopback); the other ranks are not held up."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and scheduler.poll() is None:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.1)
+
+
 def run_script(script: str, args) -> None:
     """Run ``script`` in this process as ``__main__`` with ``args`` as its command line."""
     sys.argv = [script, *args]
@@ -126,6 +141,7 @@ def main(argv=None):
     scheduler = None
     if rank == 0:
         scheduler = start_scheduler(env, Path(a.log_dir) / "scheduler.log")
+        wait_for_scheduler(scheduler, env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]))
         # registered before MindSpore is imported, so it runs after MindSpore's own exit handler
         # has unregistered this worker (the scheduler waits for that before it ends)
         atexit.register(_reap, scheduler)

@@ -82,6 +82,7 @@ def test_rank0_keeps_the_scheduler_when_the_script_exits_cleanly(monkeypatch, tm
 
     monkeypatch.setattr(launch, "launcher_rank", lambda: ("OpenMPI", 0, 2, "7"))
     monkeypatch.setattr(launch, "start_scheduler", lambda env, log: Scheduler())
+    monkeypatch.setattr(launch, "wait_for_scheduler", lambda *a: None)
     monkeypatch.setattr(launch, "run_script", script)
     monkeypatch.setattr(launch.atexit, "register", lambda *a: None)
     monkeypatch.delenv("MS_ROLE", raising=False)
@@ -89,6 +90,49 @@ def test_rank0_keeps_the_scheduler_when_the_script_exits_cleanly(monkeypatch, tm
     with pytest.raises(type(ending)):
         launch.main(["--log-dir", str(tmp_path), "script.py"])
     assert Scheduler.kills == int(killed)
+
+
+def test_rank0_runs_its_script_once_the_scheduler_listens():
+    """Rank 0 starts MindSpore's scheduler and waits until its port accepts connections (a worker registering
+    before that kept failing for 10-15 s); it stops waiting when the scheduler has exited."""
+    import socket
+    import threading
+    import time
+
+    from mindzero.launch.local import free_port
+    from mindzero.launch.mpi import wait_for_scheduler
+
+    class Running:
+        def poll(self):
+            return None
+
+    class Exited:
+        def poll(self):
+            return 1
+
+    port = free_port()
+    server = socket.socket()
+    opened = []
+
+    def listen_later():
+        time.sleep(0.5)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        opened.append(time.monotonic())
+
+    thread = threading.Thread(target=listen_later)
+    start = time.monotonic()
+    thread.start()
+    try:
+        wait_for_scheduler(Running(), "127.0.0.1", port, timeout=20)
+        returned = time.monotonic()
+    finally:
+        thread.join()
+        server.close()
+    assert opened and opened[0] <= returned < start + 10, (start, opened, returned)
+    start = time.monotonic()
+    wait_for_scheduler(Exited(), "127.0.0.1", free_port(), timeout=20)
+    assert time.monotonic() - start < 1
 
 
 FAULT = """[INFO] DISTRIBUTED(1,2,python):2026-11-27 ... Start] Event base dispatch success!
