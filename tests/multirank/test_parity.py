@@ -240,6 +240,7 @@ def test_stage_equals_stage0(run, model, stage):
         assert_same_run(res.load(r, f"{model}-{stage}"), res.load(r, f"{model}-0"), f"{model} stage {stage} rank {r}")
 
 
+@pytest.mark.full  # one process, rank 0 of 2 rehearsed: tests/single/test_optimizers.py (stages 1-3)
 def test_prepare_releases_what_it_replaces(run):
     """Optimizers of both families (nn and mint.optim), eager and lazy, with the caller still holding its network,
     optimizer and train step: after prepare no replaced full parameter (stage 3) or full optimizer state (stages 1

@@ -109,7 +109,7 @@ UNITS = [Scenario("units-gpt-3", "gpt", "sgd_decay", 3, {"gather_units": "block"
 NO_PERSISTENCE_CAP = 10 ** 12  # stage3_model_persistence_threshold above any test model: no cap in all
 PERSIST = {"stage3_param_persistence_threshold": 100, "stage3_model_persistence_threshold": NO_PERSISTENCE_CAP}
 PERSISTS = [*(Scenario(f"persist-gpt-{stage}", "gpt", "sgd_decay", stage, PERSIST, reference=f"gpt-{stage}",
-                       tier=DEFAULT if stage in (2, 3) else FULL) for stage in (0, 1, 2, 3)),
+                       tier=DEFAULT if stage == 3 else FULL) for stage in (0, 1, 2, 3)),
             Scenario("persist-clip-3", "mixed", "adamw_groups", 3, {**CLIP, **PERSIST}, reference="clip-3"),
             Scenario("mp-persist-3", "mixed", "adamw_groups", 3, {**FP16, **PERSIST}, force_overflow=True,
                      tier=FULL, reference="mp-mixed-3")]
@@ -120,7 +120,7 @@ PERSISTS = [*(Scenario(f"persist-gpt-{stage}", "gpt", "sgd_decay", stage, PERSIS
 #: each row equals its stage-0 twin (``<name>-0``), plain DP is ``came-dp``
 OWNER_FEATURES = {"came": {}, "came-clip": CLIP, "came-overflow": {"scale_sense": DYNAMIC},
                   "came-accum": {"gradient_accumulation_steps": 4}, "came-mp": FP16, "came-ema": EMA}
-OWNER_DEFAULT = {"came": (2, 3), "came-clip": (3,), "came-overflow": (2,), "came-accum": (2, 3), "came-mp": (1, 3),
+OWNER_DEFAULT = {"came": (2, 3), "came-clip": (3,), "came-overflow": (2,), "came-accum": (2, 3), "came-mp": (3,),
                  "came-ema": (3,)}
 
 
@@ -152,13 +152,17 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
     (stage 3: its own fp16 code path: fp16 gathers, reduce_dtype in the gather's backward).
 
     The default suite's 2-rank launch leaves the rows marked ``tier=FULL`` to the full tier, each with a sibling
-    that runs its code path: mindzero's fp16 conversion (``auto-``) at stages 1-2 (stages 1-2 share their
-    reduction with mp-mixed-1/2) and of the gpt and normed nets at stage 3 (the mlp's stays), fp16 of the gpt,
-    resnet and lora nets at stages 1-2 and of the gpt and resnet at stage 3 (mp-mixed and mp-accum keep fp16 at
-    every stage, mp-lora-3 frozen fp16 weights at stage 3, the hybrid launch's mp-h3 the gpt in fp16 at stage 3),
-    the gather_units rows by size, on frozen weights and with param_dtype (:data:`UNITS`), EMA at stages 1-2
-    (mp-accum-1/2 keep it), the mint.optim rows at stages 1-2 (their stages 0 and 3 stay) and plain owner mode at
-    stage 1 (the optimizer launch runs CAME at stages 1-3)."""
+    that runs its code path: mindzero's fp16 conversion (``auto-``) at stages 1-2 (stages 1-2 share their reduction
+    with mp-mixed-1/2) and of the gpt and normed nets at stage 3 (the mlp's stays), the normed net's altogether
+    (tests/single/test_precision.py converts it at stages 0 and 3), fp16 of the gpt and resnet nets at every stage
+    and of the lora net at stages 1-2 (mp-mixed and mp-accum keep fp16 at every stage, mp-lora-3 frozen fp16 weights
+    at stage 3, the hybrid launch's mp-h3 the gpt in fp16 at stage 3), the gather_units rows by size, on frozen
+    weights and with param_dtype (:data:`UNITS`), the persistence threshold below stage 3 (it changes nothing there:
+    the parsed option is empty below stage 3, tests/unit/test_persistence.py), EMA at stages 1-2 (mp-accum-1/2 keep
+    it), the fused GPU/Ascend path at stages 1-2 (real-fused-3 keeps the fused rows, real-1/2 the stages), the
+    mint.optim rows at stages 1-2 (their stages 0 and 3 stay) and owner mode at stage 1 plain and in fp16 (the
+    optimizer launch runs CAME at stages 1-3, test_checkpoint.py trains and resumes it in fp16 at stage 1).
+    """
     full = world_size == 2
     some = (0, 1, 2, 3) if full else (0, 3)
     out = [Scenario(f"{model}-{stage}", model, opt, stage) for model, opt in MODEL_OPTIMIZERS
@@ -176,8 +180,8 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
         out.append(Scenario(f"offload-{stage}", "mixed", "adamw_groups", stage, {"optimizer_offload": True}))
     for model, opt in [m for m in MODEL_OPTIMIZERS if m[0] != "awkward"]:
         for stage in some:  # fp16 params, fp32 masters, dynamic scale
-            full_only = (model in ("gpt", "resnet", "lora") and stage in (1, 2)) or (model, stage) in (("gpt", 3),
-                                                                                                  ("resnet", 3))
+            # the gpt and resnet in fp16 wholly in the full tier (their stage 0 only serves their stages 1-3)
+            full_only = model in ("gpt", "resnet") or (model == "lora" and stage in (1, 2))
             out.append(Scenario(f"mp-{model}-{stage}", model, opt, stage, FP16, force_overflow=model == "mixed",
                                 tier=FULL if full_only else DEFAULT))
     if full:
@@ -193,10 +197,13 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
                             {**FP16, **CLIP, **EMA, "gradient_accumulation_steps": 4}))
     if full:  # param_dtype on float32 networks without a setup of their own: mindzero converts them (20 steps)
         for model, opt in AUTO_AMP_MODELS:
+            # the normed net's conversion at stages 0 and 3 is tests/single/test_precision.py's too
             out += [Scenario(f"auto-{model}-{stage}", model, opt, stage, FP16, steps=AUTO_AMP_STEPS, amp="auto",
-                             tier=FULL if stage in (1, 2) or (stage == 3 and model != "mlp") else DEFAULT)
+                             tier=FULL if stage in (1, 2) or (stage == 3 and model != "mlp") or model == "normed"
+                             else DEFAULT)
                     for stage in (0, 1, 2, 3)]
-            out.append(Scenario(f"auto32-{model}-0", model, opt, 0, {"scale_sense": DYNAMIC}, steps=AUTO_AMP_STEPS))
+            out.append(Scenario(f"auto32-{model}-0", model, opt, 0, {"scale_sense": DYNAMIC}, steps=AUTO_AMP_STEPS,
+                                tier=FULL if model == "normed" else DEFAULT))
         # the backbone converted by the user, the loss Cell not: kept exactly as it is
         out += [Scenario(f"partial-mlp-{stage}", "mlp", "adam", stage, FP16, amp="partial") for stage in (0, 3)]
     for stage in some:  # the clip-<stage> runs with comm_fusion buckets
@@ -206,7 +213,7 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
             for fused in (False, True):
                 settings = {**CLIP, "comm_fusion": thirds("mixed")} if fused else CLIP
                 out.append(Scenario(f"real-{'fused-' if fused else ''}{stage}", "mixed", "adamw_groups", stage,
-                                    settings, substitute=True))
+                                    settings, substitute=True, tier=FULL if fused and stage in (1, 2) else DEFAULT))
         out.append(Scenario("real-mp-3", "mixed", "adamw_groups", 3, FP16, force_overflow=True, substitute=True))
         out.append(Scenario("real-accum-2", "awkward", "adam", 2, {"gradient_accumulation_steps": 4}, substitute=True))
     if full:  # the optimizer states on disk, bit for bit as the same run in memory (2 ranks; tests/single too)
@@ -241,11 +248,13 @@ HYBRID = {"hybrid_shard_size": 2}
 
 
 #: the hybrid rows of the default suite; the others run in the full tier, each beside a default row of its code path
-#: (the mixed net runs hybrid stages 0-3 and the GPT stage 3; every model runs every stage in the 2-rank parity
-#: launch; clipping, overflow and owner mode keep one hybrid stage each, accumulation stages 2 and 3, the GPU/Ascend
-#: path one unfused and one fused stage)
-HYBRID_DEFAULT = {"mixed-dp", "mixed-h0", "mixed-h1", "mixed-h2", "mixed-h3", "gpt-dp", "gpt-h3", "clip-dp0",
-                  "clip-h3", "overflow-dp0", "overflow-h2", "accum-dp", "accum-h2", "accum-h3", "mp-flat0", "mp-h3",
+#: (the mixed net runs hybrid stages 1-3 and the GPT stage 3 (stage 0 shards nothing: its hybrid layout only names
+#: the groups, test_layout_and_group_collectives); every model runs every stage in the 2-rank parity launch;
+#: clipping, overflow and owner mode keep one hybrid stage each, accumulation stage 3 (stage 2's reduce-scatter
+#: inside the op groups runs in mixed-h2, overflow-h2 and real-h2), the GPU/Ascend path one unfused and one fused
+#: stage)
+HYBRID_DEFAULT = {"mixed-dp", "mixed-h1", "mixed-h2", "mixed-h3", "gpt-dp", "gpt-h3", "clip-dp0",
+                  "clip-h3", "overflow-dp0", "overflow-h2", "accum-dp", "accum-h3", "mp-flat0", "mp-h3",
                   "units-h3", "persist-h3", "came-dp", "came-h3", "real-h2", "real-fused-h3"}
 
 
