@@ -89,7 +89,7 @@ def test_every_rank_of_a_hybrid_run_sees_its_own_data(res):
     """Data is sharded by world rank over the world size (``start_data_parallel``'s world), not by the op rank,
     which repeats across replicas: the 4 ranks of a hybrid run (op ranks 0, 1, 0, 1) train on 4 different
     inputs at every step."""
-    for name in ("mixed-h3", "accum-h2"):
+    for name in ("mixed-h3", "accum-h3"):
         seen = np.stack([res.load(r, name)["data"] for r in range(N)])  # (rank, step): CRC-32 of the input
         assert seen.shape[1] >= 10
         for step in range(seen.shape[1]):
@@ -103,6 +103,7 @@ def test_hybrid_clip_equals_flat_stage0_clip(res, stage):
         assert_same_run(res.load(r, f"clip-h{stage}"), res.load(r, "clip-dp0"), f"clip stage {stage} rank {r}")
 
 
+@scenarios(lambda stage: [f"accum-h{stage}", "accum-dp"])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_hybrid_accumulation_equals_plain_data_parallel(res, stage):
     """K=4 micro-batches of 2 (gradient buffers sharded over the op group) equal plain DP over 4 ranks

@@ -248,12 +248,11 @@ HYBRID = {"hybrid_shard_size": 2}
 
 
 #: the hybrid rows of the default suite; the others run in the full tier, each beside a default row of its code path
-#: (the mixed net runs hybrid stages 1-3 and the GPT stage 3 (stage 0 shards nothing: its hybrid layout only names
-#: the groups, test_layout_and_group_collectives); every model runs every stage in the 2-rank parity launch;
-#: clipping, overflow and owner mode keep one hybrid stage each, accumulation stage 3 (stage 2's reduce-scatter
-#: inside the op groups runs in mixed-h2, overflow-h2 and real-h2), the GPU/Ascend path one unfused and one fused
-#: stage)
-HYBRID_DEFAULT = {"mixed-dp", "mixed-h1", "mixed-h2", "mixed-h3", "gpt-dp", "gpt-h3", "clip-dp0",
+#: (the mixed net runs hybrid stages 0-3 and the GPT stage 3; every model runs every stage in the 2-rank parity
+#: launch; clipping, overflow and owner mode keep one hybrid stage each, accumulation stage 3 (stage 2's
+#: reduce-scatter inside the op groups runs in mixed-h2, overflow-h2 and real-h2), the GPU/Ascend path one unfused
+#: and one fused stage)
+HYBRID_DEFAULT = {"mixed-dp", "mixed-h0", "mixed-h1", "mixed-h2", "mixed-h3", "gpt-dp", "gpt-h3", "clip-dp0",
                   "clip-h3", "overflow-dp0", "overflow-h2", "accum-dp", "accum-h3", "mp-flat0", "mp-h3",
                   "units-h3", "persist-h3", "came-dp", "came-h3", "real-h2", "real-fused-h3"}
 
