@@ -78,8 +78,7 @@ def summarize(runs: dict, world: int) -> list:
 
 def collectives(world: int, out: Path, a) -> list:
     run_dir = out / f"w{world}_collectives"
-    msrun(ROOT / "benchmarks" / "first_step_worker.py", world, run_dir, args=["--out", str(run_dir)],
-          timeout=a.timeout)
+    msrun(ROOT / "benchmarks" / "first_step_worker.py", world, run_dir, timeout=a.timeout)  # the launcher gives --out
     return json.loads((run_dir / "rank_0.json").read_text())["kinds"]
 
 

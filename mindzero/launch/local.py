@@ -202,7 +202,7 @@ def launch(script, world_size: int, out_dir, args=(), timeout: float = 900.0, **
             finish; the message names the rank that failed first and carries its log tail.
     """
     how = LaunchOptions(**options)
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()  # the ranks run with it as their working directory: a relative path would nest
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("rank_*.done"):  # a previous launch's markers must not pass for this one's
         stale.unlink()
