@@ -31,6 +31,7 @@ from mindspore import nn, ops
 
 from ..comm.backends import backend_of
 from ..comm.cells import ReduceScatterSum, shard_gather
+from ..core.config import dtype_name
 from ..core.plan import ShardSpec
 from ..core.topology import World
 from ..core.units import Read
@@ -48,7 +49,11 @@ class GatherFull(nn.Cell):
     In graph mode the stage-3 property calls :meth:`rebuild` (a method: inlined like a function), never
     the Cell itself (see :mod:`mindzero.comm.shard_gather` for why). PyNative, which does not use the
     primitive's registered gradient, calls the Cell: its ``bprop`` is the same reduce-scatter. One
-    instance serves every parameter of the same full shape and reading dtype.
+    instance serves every parameter of the same full shape, dtype and reading dtype.
+
+    Each step of the rebuild (how the flat values arrive, whether padding is dropped, whether they are cast) is
+    a small Cell chosen here, when the gather is built, so :meth:`rebuild` is straight-line code: graph mode
+    parses a few graphs per parameter read instead of a branch and a continuation graph for every decision.
 
     Communication: forward AllGather of ``shard_size`` elements per rank; backward ReduceScatter
     (CPU: AllReduce of ``numel`` elements + slice).
@@ -56,79 +61,47 @@ class GatherFull(nn.Cell):
 
     def __init__(self, spec: ShardSpec, world: World, compute_dtype=None, reduce_dtype=None, quant_block=None):
         super().__init__(auto_prefix=False)
-        self.compute_dtype = compute_dtype  # the reading Cell's to_float() dtype, else None
         self.quantized = False
         if quant_block is not None:  # gather_quantization: int8 values and fp32 block scales on the wire
             self.qgather = backend_of(world).quantized_gather(spec.numel, spec.padding, spec.shard_size, quant_block,
                                                               reduce_dtype)
             self.quantized = self.qgather is not None
-        self.gather, select = shard_gather(world, spec.numel, spec.padding, reduce_dtype)
-        self.reduce_dtype = None if reduce_dtype is None else getattr(ms, reduce_dtype)
-        self.identity = self.gather is None
-        self.has_select = select is not None
-        if self.has_select:
-            self.select, self.take, self.rows = select, ops.Gather(), world.world_size
-        self.numel = spec.numel
-        self.padding = spec.padding
+        gather, select = shard_gather(world, spec.numel, spec.padding, reduce_dtype)
+        if self.quantized:
+            self.arrive = _Quantized(self.qgather)
+        elif gather is None:
+            self.arrive = _Local()
+        else:
+            self.arrive = _Gathered(gather) if select is None else _GatheredRows(gather, select, world.world_size)
+        self.unpad = _Unpad(spec.numel) if spec.padding else _Local()
         self.shape = tuple(spec.shape)
-        self.slice = ops.StridedSlice()
         self.reshape = ops.Reshape()
-        self.cast = ops.Cast()
+        dtype = getattr(ms, dtype_name(spec.dtype))
+        self.to_dtype = _Cast(compute_dtype) if compute_dtype is not None and compute_dtype != dtype else _Local()
+        self.reduce_dtype = None if reduce_dtype is None else getattr(ms, reduce_dtype)
+        self.padding = spec.padding
         self.reduce_scatter = ReduceScatterSum(world)
-        self.in_unit = False
 
     def join_unit(self, unit, offset: int, shard_size: int, port):
         """Read this parameter as columns ``[offset, offset + shard_size)`` of ``unit``'s gather
         (:class:`~mindzero.comm.shard_gather.UnitGather`); ``port``: its gradient's way in, ``None`` for a frozen
         parameter."""
-        self.in_unit, self.offset, self.shard_size = True, offset, shard_size
-        self.insert_child_to_cell("unit", unit)
-        self.has_port = port is not None
-        if self.has_port:
-            self.insert_child_to_cell("port", port)
-        self.columns = ops.StridedSlice()
+        self.arrive = _UnitColumns(unit, offset, shard_size) if port is None else \
+            _UnitColumnsPort(unit, offset, shard_size, port)
 
     @staticmethod
     def key(spec: ShardSpec, compute_dtype=None, quant_block=None) -> tuple:
         """Parameters with equal keys can share one instance."""
-        return tuple(spec.shape), spec.padding, compute_dtype, quant_block
+        return tuple(spec.shape), spec.padding, spec.dtype, compute_dtype, quant_block
 
     def regather(self):
         """Recompute the gather chain in backward instead of keeping the full value from forward (quantized:
         the collective and the decode; the payload is kept from forward, so each shard is quantized once)."""
-        prims = [self.slice, self.reshape, self.cast]
-        if self.in_unit:
-            self.unit.regather()
-            prims += [self.columns] + (self.port.prims() if self.has_port else [])
-        elif self.quantized:
-            self.qgather.regather()
-        if not self.identity:
-            prims.append(self.gather)
-        if self.has_select:
-            prims.append(self.take)
-        for prim in prims:
+        for prim in [self.reshape, *self.arrive.regather(), *self.unpad.prims(), *self.to_dtype.prims()]:
             prim.recompute()
 
     def rebuild(self, shard):
-        full = shard
-        if self.in_unit:
-            kept = self.unit.kept
-            full = self.columns(self.unit.matrix(), (0, self.offset), (kept, self.offset + self.shard_size), (1, 1))
-            if self.has_port:
-                full = self.port.attach(full, shard)
-            full = self.reshape(full, (-1,))
-        elif self.quantized:
-            full = self.reshape(self.qgather.rows_of(self.qgather.payload(shard), shard), (-1,))
-        elif not self.identity:
-            full = self.gather(shard)
-            if self.has_select:
-                full = self.reshape(self.take(self.reshape(full, (self.rows, -1)), self.select, 0), (-1,))
-        if self.padding:
-            full = self.slice(full, (0,), (self.numel,), (1,))
-        full = self.reshape(full, self.shape)
-        if self.compute_dtype is not None and full.dtype != self.compute_dtype:
-            full = self.cast(full, self.compute_dtype)
-        return full
+        return self.to_dtype(self.reshape(self.unpad(self.arrive(shard)), self.shape))
 
     def construct(self, shard):
         return self.rebuild(shard)
@@ -139,6 +112,125 @@ class GatherFull(nn.Cell):
         if shard.dtype == ms.float32 and grad.dtype != ms.float32:  # 16-bit reduction of an fp32 parameter
             grad = ops.cast(grad, ms.float32)
         return (grad,)
+
+
+# --- the steps of GatherFull.rebuild, one small Cell per choice --------------------------------------------
+class _Local(nn.Cell):
+    """The values as they are: a shard that is the whole parameter (an op group of one rank), no padding to
+    drop, no cast."""
+
+    def regather(self):
+        return []
+
+    def prims(self):
+        return []
+
+    def construct(self, values):
+        return values
+
+
+class _Gathered(nn.Cell):
+    """Every rank's shard, flat: the gather primitive (its gradient is the exact reduction)."""
+
+    def __init__(self, gather):
+        super().__init__(auto_prefix=False)
+        self.gather = gather
+
+    def regather(self):
+        return [self.gather]
+
+    def construct(self, shard):
+        return self.gather(shard)
+
+
+class _GatheredRows(nn.Cell):
+    """A world gather that keeps this rank's op group's rows (hybrid sharding on CPU), flat."""
+
+    def __init__(self, gather, select, rows: int):
+        super().__init__(auto_prefix=False)
+        self.gather, self.select, self.rows = gather, select, rows
+        self.take, self.reshape = ops.Gather(), ops.Reshape()
+
+    def regather(self):
+        return [self.gather, self.take, self.reshape]
+
+    def construct(self, shard):
+        return self.reshape(self.take(self.reshape(self.gather(shard), (self.rows, -1)), self.select, 0), (-1,))
+
+
+class _Quantized(nn.Cell):
+    """The quantized gather's decoded rows, flat (:class:`mindzero.comm.quantize.QuantizedGather`)."""
+
+    def __init__(self, qgather):
+        super().__init__(auto_prefix=False)
+        self.qgather, self.reshape = qgather, ops.Reshape()
+
+    def regather(self):
+        self.qgather.regather()
+        return [self.reshape]
+
+    def construct(self, shard):
+        return self.reshape(self.qgather.rows_of(self.qgather.payload(shard), shard), (-1,))
+
+
+class _UnitColumns(nn.Cell):
+    """This parameter's columns of its unit's one gather, flat; a frozen parameter (no gradient to return)."""
+
+    def __init__(self, unit, offset: int, shard_size: int):
+        super().__init__(auto_prefix=False)
+        self.unit, self.offset, self.end = unit, offset, offset + shard_size
+        self.columns, self.reshape = ops.StridedSlice(), ops.Reshape()
+
+    def regather(self):
+        self.unit.regather()
+        return [self.columns, self.reshape]
+
+    def construct(self, shard):
+        return self.reshape(self.columns(self.unit.matrix(), (0, self.offset), (self.unit.kept, self.end), (1, 1)),
+                            (-1,))
+
+
+class _UnitColumnsPort(_UnitColumns):
+    """:class:`_UnitColumns` whose gradient enters the shard at its port (the exact gather's reduction)."""
+
+    def __init__(self, unit, offset: int, shard_size: int, port):
+        super().__init__(unit, offset, shard_size)
+        self.port = port
+
+    def regather(self):
+        return super().regather() + self.port.prims()
+
+    def construct(self, shard):
+        columns = self.columns(self.unit.matrix(), (0, self.offset), (self.unit.kept, self.end), (1, 1))
+        return self.reshape(self.port.attach(columns, shard), (-1,))
+
+
+class _Unpad(nn.Cell):
+    """The first ``numel`` values: the padding of the last shard dropped."""
+
+    def __init__(self, numel: int):
+        super().__init__(auto_prefix=False)
+        self.numel, self.slice = numel, ops.StridedSlice()
+
+    def prims(self):
+        return [self.slice]
+
+    def construct(self, values):
+        return self.slice(values, (0,), (self.numel,), (1,))
+
+
+class _Cast(nn.Cell):
+    """The reading Cell's compute dtype."""
+
+    def __init__(self, dtype):
+        super().__init__(auto_prefix=False)
+        self.dtype, self.cast = dtype, ops.Cast()
+
+    def prims(self):
+        return [self.cast]
+
+    def construct(self, values):
+        return self.cast(values, self.dtype)
 
 
 def _full_property(attr: str, graph_mode: bool) -> property:
@@ -153,7 +245,32 @@ def _full_property(attr: str, graph_mode: bool) -> property:
             return getattr(self, gather_name)(getattr(self, shard_name))
 
     full.__name__ = attr
-    return property(full, doc=f"full value of {attr!r}, gathered from its shard (mindzero stage 3)")
+    return _FullValue(full, doc=f"full value of {attr!r}, gathered from its shard (mindzero stage 3)")
+
+
+_DESCRIBING = []  # depth of extend_repr calls of stage-3 reading Cells
+
+
+class _FullValue(property):
+    """The stage-3 property: graph mode parses its getter (a ``property``); read from Python it gathers, except
+    while the Cell describes itself (``repr``, which MindSpore also calls when it compiles a network): then it
+    is the shard this rank holds, so printing a network runs no collective (safe on one rank alone)."""
+
+    def __get__(self, obj, objtype=None):
+        if obj is not None and _DESCRIBING:
+            return getattr(obj, self.fget.__name__ + SHARD_SUFFIX)
+        return super().__get__(obj, objtype)
+
+
+def _describe_shards(cls: type):
+    def extend_repr(self):
+        _DESCRIBING.append(True)
+        try:
+            return cls.extend_repr(self)
+        finally:
+            _DESCRIBING.pop()
+
+    return extend_repr
 
 
 def compute_dtype(cell: nn.Cell):
@@ -192,7 +309,7 @@ def reading_subclass(cls: type, attrs, make_property, marker: str) -> type:
     key = (cls, tuple(sorted(attrs)), ms.get_context("mode") == ms.GRAPH_MODE, make_property)
     if key not in _SUBCLASSES:
         body = {attr: make_property(attr, key[2]) for attr in key[1]}
-        body.update({"__module__": cls.__module__, marker: key[1]})
+        body.update({"__module__": cls.__module__, marker: key[1], "extend_repr": _describe_shards(cls)})
         _SUBCLASSES[key] = type(cls.__name__, (cls,), body)
     return _SUBCLASSES[key]
 

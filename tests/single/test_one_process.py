@@ -157,6 +157,29 @@ def test_stage3_network_holds_shards_and_property_reads_full():
     assert step.zero_info.plan["w1"].sharded
 
 
+def test_printing_a_stage3_network_gathers_nothing(monkeypatch):
+    """``repr`` (a user's ``print(net)``, and MindSpore's own compile, which describes the network) shows each
+    sharded parameter as the shard this rank holds and runs no gather: printing on one rank alone cannot
+    hang the job. Reading the attribute from Python still gathers the full value."""
+    from mindzero.comm.groups import rehearse
+    from mindzero.engine import stage3
+
+    net = build("gpt")
+    with rehearse(2):
+        mindzero.prepare_train_network(net, nn.Adam(net.trainable_params(), 1e-2), zero_stage=3,
+                                       stage3_param_persistence_threshold=0)
+        rebuilds = []
+        rebuild = stage3.GatherFull.rebuild
+        monkeypatch.setattr(stage3.GatherFull, "rebuild", lambda self, shard: rebuilds.append(1) or rebuild(self, shard))
+        table = net.embed.embedding_table_zero_shard
+        text = repr(net)
+        assert rebuilds == [], "repr ran a gather"
+        assert f"shape={tuple(table.shape)}" in text.replace("[", "(").replace("]", ")"), text
+        full = net.embed.embedding_table
+        assert rebuilds == [1] and tuple(full.shape) == (net.VOCAB, net.DIM)
+        assert table.size < full.size
+
+
 def test_pynative_stages_equal():
     ms.set_context(mode=ms.PYNATIVE_MODE)
     try:
