@@ -357,7 +357,7 @@ class RowBroadcast(nn.Cell):
 
     def construct(self, values, bucket):
         row = self.gather(flat_concat(values)).reshape((self.rows, -1))[self.root]
-        return MAP(reshape_as, pieces(row, 0, bucket[3], bucket[0]), values)
+        return MAP(reshape_as, pieces(row, bucket[3], bucket[0]), values)
 
 
 class ZeroSumBroadcast(nn.Cell):
@@ -372,7 +372,7 @@ class ZeroSumBroadcast(nn.Cell):
         flat = flat_concat(values)
         if not self.mine:
             flat = ops.zeros_like(flat)
-        return MAP(reshape_as, pieces(self.total(flat), 0, bucket[3], bucket[0]), values)
+        return MAP(reshape_as, pieces(self.total(flat), bucket[3], bucket[0]), values)
 
 
 class LocalCopy(nn.Cell):
@@ -427,4 +427,4 @@ class FusedRowsReduceScatter(nn.Cell):
         mine = self.reduce_scatter(ops.concat(rows, 1).reshape((-1,)))
         if self.has_dp:
             mine = self.dp_sum(mine)
-        return pieces(mine, 0, shard_offsets, shard_sizes)
+        return pieces(mine, shard_offsets, shard_sizes)

@@ -10,7 +10,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from ..core.topology import World
-from .layout import MAP, flat_concat, pieces, reshape_as
+from .layout import MAP, column_pieces, flat_concat, pieces, reshape_as
 from .backends import backend_of
 
 
@@ -103,7 +103,7 @@ class FusedAllReduceSum(nn.Cell):
     def construct(self, tensors, bucket):
         if len(tensors) == 1:
             return (self.sum(tensors[0]),)
-        return MAP(reshape_as, pieces(self.sum(flat_concat(tensors)), 0, bucket[3], bucket[0]), tensors)
+        return MAP(reshape_as, pieces(self.sum(flat_concat(tensors)), bucket[3], bucket[0]), tensors)
 
 
 class FusedAllGather(nn.Cell):
@@ -121,7 +121,7 @@ class FusedAllGather(nn.Cell):
         if len(shards) == 1:
             return (self.gather(shards[0]),)
         rows = self.gather(flat_concat(shards)).reshape((self.op_size, -1))
-        return pieces(rows, 1, bucket[4], bucket[2])
+        return column_pieces(rows, bucket[4], bucket[2])
 
 
 def shard_gather(world: World, numel: int, padding: int, reduce_dtype=None):

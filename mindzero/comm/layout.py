@@ -35,6 +35,7 @@ own_part = ops.MultitypeFuncGraph("mindzero_own_part")
 as_rows = ops.MultitypeFuncGraph("mindzero_as_rows")
 reshape_as = ops.MultitypeFuncGraph("mindzero_reshape_as")
 piece = ops.MultitypeFuncGraph("mindzero_piece")
+column = ops.MultitypeFuncGraph("mindzero_column")
 
 
 @flatten.register("Tensor")
@@ -61,13 +62,22 @@ def _as_rows(op_size, x, padding):
     return own_shard(x.reshape((-1,)), padding, 0, 1).reshape((op_size, -1))
 
 
-@piece.register("Tensor", "Number", "Number", "Number")
-def _piece(x, axis, offset, size):
-    """``x[offset:offset + size]`` along ``axis`` (0 or 1), flat: one member of a fused bucket's concatenation.
-    Mapped over the members (``ops.split`` with many sections unrolled recursively in MindSpore 2.10's graph
-    mode: a bucket of 115 tensors passed its call-depth limit of 1000)."""
-    part = x[offset:offset + size] if axis == 0 else x[:, offset:offset + size]
-    return part.reshape((-1,))
+_SLICE = ops.StridedSlice()
+
+
+@piece.register("Tensor", "Number", "Number")
+def _piece(x, offset, size):
+    """``x[offset:offset + size]`` of a 1D ``x``: one member of a fused bucket's concatenation. Mapped over the
+    members (``ops.split`` with many sections unrolled recursively in MindSpore 2.10's graph mode: a bucket of 115
+    tensors passed its call-depth limit of 1000). The primitive, not ``x[a:b]``: Tensor indexing is parsed into
+    several graphs per call."""
+    return _SLICE(x, (offset,), (offset + size,), (1,))
+
+
+@column.register("Tensor", "Number", "Number")
+def _column(x, offset, size):
+    """Columns ``[offset, offset + size)`` of a 2D ``x``, flat."""
+    return _SLICE(x, (0, offset), (x.shape[0], offset + size), (1, 1)).reshape((-1,))
 
 
 @reshape_as.register("Tensor", "Tensor")
@@ -76,10 +86,14 @@ def _reshape_as(part, like):
     return part.reshape(like.shape)
 
 
-def pieces(x, axis: int, offsets, sizes):
-    """``x`` cut along ``axis`` into the pieces ``[offsets[i], offsets[i] + sizes[i])`` (tuples of ints), each
-    flat."""
-    return MAP(ops.partial(piece, x, axis), offsets, sizes)
+def pieces(x, offsets, sizes):
+    """A 1D ``x`` cut into the pieces ``[offsets[i], offsets[i] + sizes[i])`` (tuples of ints)."""
+    return MAP(ops.partial(piece, x), offsets, sizes)
+
+
+def column_pieces(x, offsets, sizes):
+    """A 2D ``x`` cut into the column ranges ``[offsets[i], offsets[i] + sizes[i])``, each flat."""
+    return MAP(ops.partial(column, x), offsets, sizes)
 
 
 def pick(values, positions):

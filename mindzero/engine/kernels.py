@@ -63,14 +63,10 @@ def _reduce_grad(factor, scale_it, widen, reducer, padding, g):
     return _scaled(reducer(g, padding), factor, scale_it, widen)
 
 
-@route.register("Tuple", "Tuple", "Tensor", "Bool", "Bool", "Number", "Number", "Number")
-def _route(grads, reduced, factor, scale_it, widen, i, unit, index):
-    """Gradient ``i`` after the buckets: ``reduced[unit][index]``, or ``grads[i]`` when in no bucket."""
-    if unit < 0:
-        g = grads[i]
-    else:
-        g = reduced[unit][index]
-    return _scaled(g, factor, scale_it, widen)
+@route.register("Tuple", "Tensor", "Bool", "Bool", "Number")
+def _route(values, factor, scale_it, widen, i):
+    """Gradient ``values[i]`` (``values``: the gradients, then every bucket's reduced members), scaled."""
+    return _scaled(values[i], factor, scale_it, widen)
 
 
 @cast_to.register("TypeType", "Tensor")

@@ -121,19 +121,21 @@ class Reduction(nn.Cell):
         self.reducer_cells = nn.CellList([allreduce, reduce_scatter])
         self.reducers = tuple(reduce_scatter if u.kind == REDUCE_SCATTER else allreduce for u in units)
         self.buckets = tuple(Bucket.of(u.specs) for u in units)
-        unit_of, index_of = [-1] * n, [0] * n
-        for u, pos in enumerate(self.positions):
-            for j, i in enumerate(pos):
-                unit_of[i], index_of[i] = u, j
-        self.unit_of, self.index_of, self.indices = tuple(unit_of), tuple(index_of), tuple(range(n))
+        # where gradient i is after the buckets, in (the gradients, then each bucket's members in order)
+        sources, at = list(range(n)), n
+        for pos in self.positions:
+            for i in pos:
+                sources[i], at = at, at + 1
+        self.sources = tuple(sources)
 
     def construct(self, grads, factor):
         if self.per_tensor:
             return MAP(ops.partial(reduce_grad, factor, self.scale, self.widen), self.reducers, self.paddings,
                         grads)
-        reduced = MAP(ops.partial(reduce_unit, grads), self.reducers, self.positions, self.buckets)
-        return MAP(ops.partial(route, grads, reduced, factor, self.scale, self.widen), self.indices, self.unit_of,
-                    self.index_of)
+        values = grads
+        for members in MAP(ops.partial(reduce_unit, grads), self.reducers, self.positions, self.buckets):
+            values = values + members  # one concatenation per bucket
+        return MAP(ops.partial(route, values, factor, self.scale, self.widen), self.sources)
 
 
 class ZeroEMA(nn.Cell):
@@ -200,6 +202,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.weights = ParameterTuple(state.weights)
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
         self.micro = Reduction(n, state.micro, world)  # stage 2's reduce-scatter of each micro-step's gradients
+        self.has_micro = len(state.micro) > 0  # (none: not compiled, rather than a map that keeps each gradient)
         # the reductions at the accumulation boundary; mixed precision widens to fp32 (the optimizer's masters)
         self.boundary = Reduction(n, state.boundary, world, scale=True, widen=config.precision.widens)
         # per gradient (optimizer order): (norm kind, padding) for the clip norm (see norm_sq_one)
@@ -256,7 +259,8 @@ class ZeroTrainOneStepCell(nn.Cell):
         grads = self.grad(self.network, self.weights)(*inputs, sens)
         if self.reduce_dtype is not None:
             grads = MAP(ops.partial(cast_to, self.reduce_dtype), grads)
-        grads = self.micro(grads, scale)  # (no scaling here: the factor is applied once, at the boundary)
+        if self.has_micro:
+            grads = self.micro(grads, scale)  # (no scaling here: the factor is applied once, at the boundary)
         if self.accum_steps == 1:
             overflow, grads = self._apply(grads, scale)
             due = ops.ones((), ms.bool_)
