@@ -180,6 +180,49 @@ def test_printing_a_stage3_network_gathers_nothing(monkeypatch):
         assert table.size < full.size
 
 
+def _inferred_graphs(stage, tmp_path, **options) -> tuple:
+    """The function graphs MindSpore's type inference worked through for one compiled step (rank 0 of 2
+    rehearsed), their names, and the step's gradient count."""
+    import os
+    import re
+
+    from mindzero.comm.groups import rehearse
+
+    net = build("gpt")
+    os.environ["MS_DEV_DUMP_IR_PASSES"] = "type_inference"
+    try:
+        ms.set_context(save_graphs=1, save_graphs_path=str(tmp_path))
+        with rehearse(2):
+            step = mindzero.prepare_train_network(net, make_optimizer("sgd", net), zero_stage=stage, **options)
+            step.compile(*[Tensor(a) for a in type(net).batch(np.random.RandomState(0))])
+    finally:
+        ms.set_context(save_graphs=0)
+        os.environ.pop("MS_DEV_DUMP_IR_PASSES")
+    path = max(tmp_path.rglob("*type_inference*.ir"), key=lambda p: int(re.findall(r"_(\d+)\.ir$", p.name)[0]))
+    names = re.findall(r"^subgraph @\d+_(\S+?)(?:_\d+)?\(", path.read_text(), re.M)
+    return names, len(step.zero_info.params)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_step_compiles_without_branch_graphs_per_parameter(stage, tmp_path):
+    """MindSpore's front end parses a branch and a continuation graph for every Python ``if`` a per-parameter
+    function takes, before it finds the condition constant; the step's per-parameter functions (stage 3's
+    gather, the bucket cuts, the gradients' route after the buckets) choose when the step is built instead,
+    and a reduction with nothing to reduce is not compiled. Stage 3 here: matrices gathered, the small
+    parameters kept whole and all-reduced in one fused bucket."""
+    options = dict(stage3_param_persistence_threshold=100) if stage == 3 else {}
+    names, n = _inferred_graphs(stage, tmp_path, **options)
+    per_parameter = ("rebuild", "_route", "_piece", "_column", "_reduce_grad")
+    # a branch or continuation graph is named after its function with MindSpore's markers (digits, arrows) before it
+    branches = [name for name in names if name.lstrip("✓✗↓↰↱↵↻0123456789") in per_parameter
+                and name.lstrip("✓✗↓↰↱↵↻0123456789") != name]
+    assert branches == [], sorted(set(branches))
+    if stage == 3:
+        assert "rebuild" in names and "_route" in names and "_piece" in names, sorted(set(names))
+    else:  # one reduction (at the boundary), one graph per gradient
+        assert names.count("_reduce_grad") == n, (names.count("_reduce_grad"), n)
+
+
 def test_pynative_stages_equal():
     ms.set_context(mode=ms.PYNATIVE_MODE)
     try:
