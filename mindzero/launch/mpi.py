@@ -44,6 +44,7 @@ LAUNCHER_ENV = (
 )
 PORT_RANGE = (20000, 40000)
 SCHEDULER_WAIT = 60.0  # seconds rank 0 waits for the scheduler to finish after its own worker ended
+SCHEDULER_LISTEN_WAIT = 60.0  # seconds rank 0 waits for the scheduler it started to accept connections
 
 
 def launcher_rank(env=os.environ):
@@ -101,7 +102,8 @@ def start_scheduler(env: dict, log_path: Path) -> subprocess.Popen:
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
 
 
-def wait_for_scheduler(scheduler: subprocess.Popen, host: str, port: int, timeout: float = SCHEDULER_WAIT) -> None:
+def wait_for_scheduler(scheduler: subprocess.Popen, host: str, port: int,
+                       timeout: float = SCHEDULER_LISTEN_WAIT) -> None:
     """Return once the scheduler accepts connections (or has exited, or ``timeout`` passed). MindSpore's worker
     that tries to register before its scheduler listens kept failing to connect for 10-15 s after the scheduler
     was up (measured under mpirun on loopback); the other ranks are not held up."""
