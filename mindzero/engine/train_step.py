@@ -201,10 +201,16 @@ class ZeroTrainOneStepCell(nn.Cell):
         n = len(state.params)
         self.weights = ParameterTuple(state.weights)
         self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
-        self.micro = Reduction(n, state.micro, world)  # stage 2's reduce-scatter of each micro-step's gradients
-        self.has_micro = len(state.micro) > 0  # (none: not compiled, rather than a map that keeps each gradient)
-        # the reductions at the accumulation boundary; mixed precision widens to fp32 (the optimizer's masters)
-        self.boundary = Reduction(n, state.boundary, world, scale=True, widen=config.precision.widens)
+        # stage 2 reduce-scatters each micro-step's gradients; the other reductions wait for the accumulation
+        # boundary. Without accumulation every micro-step is a boundary: one reduction does both (each gradient's
+        # collective is the same node of the graph), and none is compiled that would keep every gradient as it is.
+        micro, boundary = state.micro, state.boundary
+        if config.gradient_accumulation_steps == 1:
+            micro, boundary = (), micro + boundary  # (disjoint: sharded and replicated gradients)
+        self.micro = Reduction(n, micro, world)
+        self.has_micro = len(micro) > 0
+        # mixed precision widens to fp32 at the boundary (the optimizer's masters)
+        self.boundary = Reduction(n, boundary, world, scale=True, widen=config.precision.widens)
         # per gradient (optimizer order): (norm kind, padding) for the clip norm (see norm_sq_one)
         self.norm_kinds = tuple(ps.norm_kind for ps in state.params)
         self.norm_paddings = tuple(ps.reduce_spec.padding for ps in state.params)

@@ -203,13 +203,14 @@ def _inferred_graphs(stage, tmp_path, **options) -> tuple:
     return names, len(step.zero_info.params)
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_the_step_compiles_without_branch_graphs_per_parameter(stage, tmp_path):
     """MindSpore's front end parses a branch and a continuation graph for every Python ``if`` a per-parameter
     function takes, before it finds the condition constant; the step's per-parameter functions (stage 3's
     gather, the bucket cuts, the gradients' route after the buckets) choose when the step is built instead,
-    and a reduction with nothing to reduce is not compiled. Stage 3 here: matrices gathered, the small
-    parameters kept whole and all-reduced in one fused bucket."""
+    and a reduction with nothing to reduce is not compiled (stage 2 without accumulation reduces once, its
+    reduce-scatters and all-reduces together). Stage 3 here: matrices gathered, the small parameters kept whole
+    and all-reduced in one fused bucket."""
     options = dict(stage3_param_persistence_threshold=100) if stage == 3 else {}
     names, n = _inferred_graphs(stage, tmp_path, **options)
     per_parameter = ("rebuild", "_route", "_piece", "_column", "_reduce_grad")
