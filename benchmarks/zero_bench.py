@@ -119,7 +119,8 @@ def summarize(results, world):
 
 
 def goals(rows) -> list:
-    """Issue 11's goals, checked against the rows: ``(goal, measured, met)``."""
+    """The benchmark's goals (peaks against plain DP's and each other, time to first step), checked against the
+    rows: ``(goal, measured, met)``."""
     out = []
     for w in sorted({r["world"] for r in rows}):
         sel = {r["config"]: r for r in rows if r["world"] == w}
