@@ -70,32 +70,24 @@ def count_unit_gathers(world, out_dir):
     (``save_graphs``), next to the plan's: stage 3 with and without ``gather_units="block"`` (one unit of the
     block's 12 parameters), and stage 1 (its write-back gathers, and how often the graph touches the update's
     chain, ``zero_collective_order``: never without owner mode)."""
-    import glob
-    import os
     import re
     import tempfile
 
-    import mindspore as ms
-
     from mindzero.core.comm_plan import summarize
     from mindzero.engine.report import plan_text
+    from tests.support.graphs import last_graph, saved_graphs
 
     results = {}
     for variant, stage, units in (("per_parameter", 3, None), ("units", 3, "block"), ("stage1", 1, None)):
+        # only the graphs of passes named "execute" (45 files instead of 564; a first step 14 s -> 7 s)
         with tempfile.TemporaryDirectory(dir=out_dir) as ir:
-            # only the graphs of passes named "execute" (45 files instead of 564; a first step 14 s -> 7 s)
-            try:
-                os.environ["MS_DEV_DUMP_IR_PASSES"] = "execute"
-                ms.set_context(save_graphs=1, save_graphs_path=ir)
+            with saved_graphs(ir, "execute"):
                 net = build("gpt")
                 # every parameter sharded (threshold 0), so that the block's unit holds all 12
                 train = mindzero.prepare_train_network(net, make_optimizer("sgd", net), zero_stage=stage,
                                                        gather_units=units, stage3_param_persistence_threshold=0)
                 train(*batch(type(net), 0, world.world_rank, 0))
-            finally:
-                ms.set_context(save_graphs=0)
-                os.environ.pop("MS_DEV_DUMP_IR_PASSES", None)
-            text = open(max(glob.glob(f"{ir}/**/*execute*.ir", recursive=True), key=os.path.getmtime)).read()
+            text = last_graph(ir, "execute")
         sizes = re.findall(r"= AllGather\(.*\n.*?: \(<Tensor\[Float32\], \((\d+)\)>\) ->", text)
         plan = summarize(train.zero_info.calls)
         results[variant] = dict(all_gather=len(re.findall(r"= AllGather\(", text)), gather_sizes=[int(x) for x in sizes],

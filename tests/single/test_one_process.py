@@ -183,23 +183,16 @@ def test_printing_a_stage3_network_gathers_nothing(monkeypatch):
 def _inferred_graphs(stage, tmp_path, **options) -> tuple:
     """The function graphs MindSpore's type inference worked through for one compiled step (rank 0 of 2
     rehearsed), their names, and the step's gradient count."""
-    import os
     import re
 
     from mindzero.comm.groups import rehearse
+    from tests.support.graphs import last_graph, saved_graphs
 
     net = build("gpt")
-    os.environ["MS_DEV_DUMP_IR_PASSES"] = "type_inference"
-    try:
-        ms.set_context(save_graphs=1, save_graphs_path=str(tmp_path))
-        with rehearse(2):
-            step = mindzero.prepare_train_network(net, make_optimizer("sgd", net), zero_stage=stage, **options)
-            step.compile(*[Tensor(a) for a in type(net).batch(np.random.RandomState(0))])
-    finally:
-        ms.set_context(save_graphs=0)
-        os.environ.pop("MS_DEV_DUMP_IR_PASSES")
-    path = max(tmp_path.rglob("*type_inference*.ir"), key=lambda p: int(re.findall(r"_(\d+)\.ir$", p.name)[0]))
-    names = re.findall(r"^subgraph @\d+_(\S+?)(?:_\d+)?\(", path.read_text(), re.M)
+    with saved_graphs(tmp_path, "type_inference"), rehearse(2):
+        step = mindzero.prepare_train_network(net, make_optimizer("sgd", net), zero_stage=stage, **options)
+        step.compile(*[Tensor(a) for a in type(net).batch(np.random.RandomState(0))])
+    names = re.findall(r"^subgraph @\d+_(\S+?)(?:_\d+)?\(", last_graph(tmp_path, "type_inference"), re.M)
     return names, len(step.zero_info.params)
 
 
