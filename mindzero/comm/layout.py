@@ -11,6 +11,10 @@ from mindspore import ops
 
 MAP = ops.Map()
 
+#: ``SLICE(x, begin, end, strides)``: the slicing primitive, called directly in graph code: Tensor indexing
+#: (``x[a:b]``) is parsed into several function graphs per call site, and so is a Python helper wrapping it
+SLICE = ops.StridedSlice()
+
 
 def own_shard(flat, padding: int, op_rank: int, op_size: int):
     """``flat`` zero-padded by ``padding``, then op rank ``op_rank``'s contiguous 1/``op_size`` (the graph
@@ -25,7 +29,7 @@ def own_shard(flat, padding: int, op_rank: int, op_size: int):
     if op_size == 1:
         return flat
     size = flat.shape[0] // op_size
-    return flat[op_rank * size:(op_rank + 1) * size]
+    return SLICE(flat, (op_rank * size,), ((op_rank + 1) * size,), (1,))
 
 
 # --- tuples and buckets ------------------------------------------------------------------------------------
@@ -53,7 +57,7 @@ def _item(values, i):
 @own_part.register("Tensor", "Number", "Number", "Number", "Number", "Number")
 def _own_part(flat, op_rank, op_size, offset, numel, padding):
     """This rank's padded shard of the tensor at ``[offset, offset + numel)`` of a concatenation."""
-    return own_shard(flat[offset:offset + numel], padding, op_rank, op_size)
+    return own_shard(SLICE(flat, (offset,), (offset + numel,), (1,)), padding, op_rank, op_size)
 
 
 @as_rows.register("Number", "Tensor", "Number")
@@ -62,22 +66,19 @@ def _as_rows(op_size, x, padding):
     return own_shard(x.reshape((-1,)), padding, 0, 1).reshape((op_size, -1))
 
 
-_SLICE = ops.StridedSlice()
-
-
 @piece.register("Tensor", "Number", "Number")
 def _piece(x, offset, size):
     """``x[offset:offset + size]`` of a 1D ``x``: one member of a fused bucket's concatenation. Mapped over the
     members (``ops.split`` with many sections unrolled recursively in MindSpore 2.10's graph mode: a bucket of 115
     tensors passed its call-depth limit of 1000). The primitive, not ``x[a:b]``: Tensor indexing is parsed into
     several graphs per call."""
-    return _SLICE(x, (offset,), (offset + size,), (1,))
+    return SLICE(x, (offset,), (offset + size,), (1,))
 
 
 @column.register("Tensor", "Number", "Number")
 def _column(x, offset, size):
     """Columns ``[offset, offset + size)`` of a 2D ``x``, flat."""
-    return _SLICE(x, (0, offset), (x.shape[0], offset + size), (1, 1)).reshape((-1,))
+    return SLICE(x, (0, offset), (x.shape[0], offset + size), (1, 1)).reshape((-1,))
 
 
 @reshape_as.register("Tensor", "Tensor")

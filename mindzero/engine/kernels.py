@@ -15,7 +15,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import ops
 
-from ..comm.layout import MAP, own_shard, pick
+from ..comm.layout import MAP, SLICE, own_shard, pick
 from ..core.state import OWN_SLICE, REPLICATED
 
 # --- the train step ----------------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def _gather_write_in_order(after, token, gather, full, shard):
 def _write_gathered(held, value):
     """``held := value`` (the gathered padded flat tensor) without its padding, in ``held``'s shape."""
     if value.shape[0] != held.size:
-        value = value[:held.size]
+        value = SLICE(value, (0,), (held.size,), (1,))
     return ops.assign(held, value.reshape(held.shape))
 
 
@@ -202,7 +202,7 @@ def _owner_grad(token, gather, g, kind, numel, shape, stand_in):
     full = after_collective(token, gather(in_order(token, g)))
     if kind == 1:
         if full.shape[0] != numel:
-            full = full[:numel]
+            full = SLICE(full, (0,), (numel,), (1,))
         return full.reshape(shape)
     return ops.depend(ops.zeros(stand_in, g.dtype), full)
 

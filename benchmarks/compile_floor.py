@@ -1,0 +1,214 @@
+"""The compile a stage-1 step cannot avoid in MindSpore graph mode: a MindSpore-only reproduction beside mindzero.
+
+    .venv/bin/python benchmarks/compile_floor.py [--repeats 5] [--configs dp,floor,mz1,...] [--nodes]
+        [--dim 512 --layers 6 --heads 8 --vocab 512 --seq 64] [--out runs/compile_floor]
+
+Every configuration compiles the train step of the example GPT (fp32 ``nn.AdamWeightDecay``) with ``Cell.compile``
+in a fresh process, as rank 0 of 2 played in one process (no communication: where a collective would be, the
+operation a rank's graph holds in its place: the identity for the gradient's all-reduce, ``Tile`` for the
+all-gather of two equal shards, as :func:`mindzero.comm.groups.rehearse` does). Configurations, launched round-robin
+``--repeats`` times so that the machine's drift falls on all of them alike:
+
+* ``dp``: ``nn.TrainOneStepCell`` (plain data parallel's step);
+* ``floor``: written with MindSpore alone, the least a ZeRO stage-1 step adds to it: each gradient cut to this
+  rank's flat shard, the optimizer over flat master shards (its states 1/2 the size), and per parameter the two
+  writes that keep the network's Parameters the user's: before the update the master takes up this rank's slice of
+  the parameter (so a ``load_checkpoint`` into the network takes effect), after it the parameter takes up the
+  gathered masters. ``floor-no-refresh`` / ``floor-no-writeback`` / ``floor-bare``: the same without the first /
+  the second / both (steps that no longer train right: they show the two writes' price);
+* ``floor-finite``: ``floor`` plus the overflow check a loss-scaled step makes (every gradient tested finite, the
+  update in a branch taken only when all are);
+* ``mz0`` / ``mz1``: ``mindzero.prepare_train_network`` at stage 0 / 1 (its defaults), rehearsed the same way.
+
+Prints per configuration the median compile and its ratio to ``dp``'s, and the graph's size (nodes of the validated
+graph, with ``--nodes``; costs a second compile per configuration). Writes ``results.json`` and ``results.md``
+under ``--out``. Needs the machine alone: the figures are seconds.
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ("dp", "floor", "floor-no-refresh", "floor-no-writeback", "floor-bare", "floor-finite", "mz0", "mz1")
+SHAPE = dict(dim=512, layers=6, heads=8, vocab=512, seq=64)
+
+
+def build(config: str, a):
+    """The step of ``config`` and its two inputs (one process: MindSpore imported here)."""
+    import numpy as np
+    import mindspore as ms
+    from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT, LMLoss, init_params  # noqa: E402
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    net = LMLoss(GPT(a.vocab, a.dim, a.layers, a.heads, a.seq))
+    init_params(net)
+    tokens = Tensor(np.random.RandomState(0).randint(0, a.vocab, (2, a.seq)).astype(np.int32))
+    if config == "dp":
+        return nn.TrainOneStepCell(net, nn.AdamWeightDecay(net.trainable_params(), 1e-3)), tokens
+    if config.startswith("mz"):
+        import mindzero
+        from mindzero.comm.groups import rehearse
+
+        with rehearse(2):
+            step = mindzero.prepare_train_network(net, nn.AdamWeightDecay(net.trainable_params(), 1e-3),
+                                                  zero_stage=int(config[2:]))
+        return step, tokens
+
+    ranks, rank = 2, 0
+    params = net.trainable_params()
+    paddings = tuple(-p.size % ranks for p in params)
+    shard_sizes = tuple((p.size + pad) // ranks for p, pad in zip(params, paddings))
+    masters = ParameterTuple([Parameter(Tensor(np.zeros(n, np.float32)), name="floor_master." + p.name)
+                              for p, n in zip(params, shard_sizes)])
+    slicer = ops.StridedSlice()
+    shard = ops.MultitypeFuncGraph("floor_shard")
+    refresh = ops.MultitypeFuncGraph("floor_refresh")
+    write_back = ops.MultitypeFuncGraph("floor_write_back")
+    finite = ops.MultitypeFuncGraph("floor_finite")
+
+    def own(x, padding, size):
+        flat = x.reshape((-1,))
+        if padding:
+            flat = ops.concat((flat, ops.zeros((padding,), flat.dtype)))
+        return slicer(flat, (rank * size,), ((rank + 1) * size,), (1,))
+
+    @shard.register("Number", "Number", "Tensor")
+    def _shard(padding, size, g):
+        return own(g, padding, size)
+
+    @refresh.register("Number", "Number", "Tensor", "Tensor")
+    def _refresh(padding, size, master, param):
+        return ops.assign(master, own(param, padding, size))
+
+    @write_back.register("Tensor", "Tensor")
+    def _write_back(param, master):
+        full = ops.tile(master, (ranks,))
+        if full.shape[0] != param.size:
+            full = slicer(full, (0,), (param.size,), (1,))
+        return ops.assign(param, full.reshape(param.shape))
+
+    @finite.register("Tensor")
+    def _finite(g):
+        return ops.isfinite(g).all()
+
+    class FloorStep(nn.Cell):
+        """Forward and backward, the gradients cut to this rank's shards, the masters refreshed, the update, the
+        write-back: each per parameter, mapped (MindSpore's idiom, ``nn/wrap/grad_reducer.py``)."""
+
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.net, self.params, self.masters = net, ParameterTuple(params), masters
+            self.optimizer = nn.AdamWeightDecay(masters, 1e-3)
+            self.grad = ops.GradOperation(get_by_list=True)
+            self.map = ops.Map()
+            self.paddings, self.sizes = paddings, shard_sizes
+            self.do_refresh = config in ("floor", "floor-no-writeback", "floor-finite")
+            self.do_write_back = config in ("floor", "floor-no-refresh", "floor-finite")
+            self.check = config == "floor-finite"
+
+        def update(self, grads):
+            done = grads
+            if self.do_refresh:
+                done = ops.depend(grads, self.map(refresh, self.paddings, self.sizes, self.masters, self.params))
+            done = self.optimizer(done)
+            if self.do_write_back:
+                done = ops.depend(done, self.map(write_back, self.params, self.masters))
+            return done
+
+        def construct(self, x, y):
+            loss = self.net(x, y)
+            grads = self.grad(self.net, self.params)(x, y)
+            grads = self.map(shard, self.paddings, self.sizes, grads)
+            if self.check:
+                ok = ops.stack(self.map(finite, grads)).all()
+                if ok:
+                    self.update(grads)
+                return loss
+            return ops.depend(loss, self.update(grads))
+
+    return FloorStep(), tokens
+
+
+def one(config: str, a) -> dict:
+    """Compile ``config``'s step once in this process; with ``--nodes`` count the validated graph's nodes."""
+    import os
+    import re
+    import tempfile
+
+    import mindspore as ms
+
+    step, tokens = build(config, a)
+    out = {}
+    if a.nodes:
+        folder = tempfile.mkdtemp()
+        os.environ["MS_DEV_DUMP_IR_PASSES"] = "validate"
+        ms.set_context(save_graphs=1, save_graphs_path=folder)
+    t = time.perf_counter()
+    step.compile(tokens, tokens)
+    out["compile_s"] = time.perf_counter() - t
+    if a.nodes:
+        ir = max(Path(folder).rglob("*validate*.ir"), key=lambda q: int(re.findall(r"_(\d+)\.ir$", q.name)[0]))
+        out["nodes"] = len(re.findall(r"^\s*%\d+\([^)]*\) = ", ir.read_text(), re.M))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--nodes", action="store_true", help="also count the validated graph's nodes")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="runs/compile_floor")
+    for key, value in SHAPE.items():
+        ap.add_argument(f"--{key}", type=int, default=value)
+    a = ap.parse_args(argv)
+    if a.one:
+        print(json.dumps(one(a.one, a)))
+        return
+    configs = a.configs.split(",")
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; choose from {','.join(CONFIGS)}")
+    shape = [f"--{k}={getattr(a, k)}" for k in SHAPE]
+    runs = {c: [] for c in configs}
+    for r in range(a.repeats):
+        for c in configs:
+            cmd = [sys.executable, __file__, "--one", c, *shape] + (["--nodes"] if a.nodes and r == 0 else [])
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+            if done.returncode:
+                sys.exit(f"{c}: exit {done.returncode}\n{done.stderr[-3000:]}")
+            runs[c].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"  {c} run {r}: {runs[c][-1]['compile_s']:.2f}s", flush=True)
+    dp = statistics.median(x["compile_s"] for x in runs["dp"]) if "dp" in runs else None
+    rows = []
+    for c in configs:
+        times = [x["compile_s"] for x in runs[c]]
+        row = dict(config=c, compile_s=statistics.median(times), runs=times,
+                   nodes=next((x["nodes"] for x in runs[c] if "nodes" in x), None))
+        row["vs_dp"] = row["compile_s"] / dp if dp else None
+        rows.append(row)
+    lines = ["| config | compile s (median) | vs plain DP | validated graph nodes | every compile s |", "|---|---|---|---|---|"]
+    for row in rows:
+        ratio = f"{row['vs_dp']:.2f}x" if row["vs_dp"] else ""
+        lines.append(f"| {row['config']} | {row['compile_s']:.2f} | {ratio} | {row['nodes'] or ''} | "
+                     + ", ".join(f"{t:.2f}" for t in row["runs"]) + " |")
+    table = "\n".join(lines)
+    print(table)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "benchmarks/compile_floor.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    (out / "results.json").write_text(json.dumps(dict(command=command, shape={k: getattr(a, k) for k in SHAPE},
+                                                      rows=rows), indent=1))
+    (out / "results.md").write_text(f"`{command}`\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
