@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this tree's mindzero, not an installed one
 CONFIGS = ("dp", "floor", "floor-no-refresh", "floor-no-writeback", "floor-bare", "floor-finite", "mz0", "mz1")
 SHAPE = dict(dim=512, layers=6, heads=8, vocab=512, seq=64)
 
