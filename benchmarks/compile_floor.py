@@ -140,24 +140,20 @@ def build(config: str, a):
 
 def one(config: str, a) -> dict:
     """Compile ``config``'s step once in this process; with ``--nodes`` count the validated graph's nodes."""
-    import os
+    import contextlib
     import re
     import tempfile
 
-    import mindspore as ms
+    from tests.support.graphs import last_graph, saved_graphs
 
     step, tokens = build(config, a)
-    out = {}
-    if a.nodes:
-        folder = tempfile.mkdtemp()
-        os.environ["MS_DEV_DUMP_IR_PASSES"] = "validate"
-        ms.set_context(save_graphs=1, save_graphs_path=folder)
-    t = time.perf_counter()
-    step.compile(tokens, tokens)
-    out["compile_s"] = time.perf_counter() - t
-    if a.nodes:
-        ir = max(Path(folder).rglob("*validate*.ir"), key=lambda q: int(re.findall(r"_(\d+)\.ir$", q.name)[0]))
-        out["nodes"] = len(re.findall(r"^\s*%\d+\([^)]*\) = ", ir.read_text(), re.M))
+    folder = tempfile.mkdtemp() if a.nodes else None
+    with saved_graphs(folder, "validate") if folder else contextlib.nullcontext():
+        t = time.perf_counter()
+        step.compile(tokens, tokens)
+        out = {"compile_s": time.perf_counter() - t}
+    if folder:
+        out["nodes"] = len(re.findall(r"^\s*%\d+\([^)]*\) = ", last_graph(folder, "validate"), re.M))
     return out
 
 
