@@ -1,7 +1,7 @@
 """The compile a stage-1 step cannot avoid in MindSpore graph mode: a MindSpore-only reproduction beside mindzero.
 
     .venv/bin/python benchmarks/compile_floor.py [--repeats 5] [--configs dp,floor,mz1,...] [--nodes]
-        [--dim 512 --layers 6 --heads 8 --vocab 512 --seq 64] [--out runs/compile_floor]
+        [--dim 512 --layers 6 --heads 8 --vocab 512 --seq 64] [--baseline DIR] [--out runs/compile_floor]
 
 Every configuration compiles the train step of the example GPT (fp32 ``nn.AdamWeightDecay``) with ``Cell.compile``
 in a fresh process, as rank 0 of 2 played in one process (no communication: where a collective would be, the
@@ -18,7 +18,16 @@ all-gather of two equal shards, as :func:`mindzero.comm.groups.rehearse` does). 
   the second / both (steps that no longer train right: they show the two writes' price);
 * ``floor-finite``: ``floor`` plus the overflow check a loss-scaled step makes (every gradient tested finite, the
   update in a branch taken only when all are);
-* ``mz0`` / ``mz1``: ``mindzero.prepare_train_network`` at stage 0 / 1 (its defaults), rehearsed the same way.
+* ``floor3``: the least a stage-3 step is, written with MindSpore alone: every parameter replaced by its flat shard,
+  each Cell reading the full weight through a property that rebuilds it from the shard (the gather as a rehearsal
+  has it: the shard zero-padded to the full size, whose gradient, a slice, stands for the reduce-scatter), marked
+  for recompute so backward gathers again; the optimizer over the shards. ``floor3-keep``: without the recompute;
+  ``floor3-finite``: with the overflow check;
+* ``mz0`` / ``mz1`` / ``mz3``: ``mindzero.prepare_train_network`` at stage 0 / 1 / 3 (its defaults), rehearsed the
+  same way.
+
+``--baseline DIR``: a checkout of another commit (``git worktree add DIR <commit>``): each ``mz`` configuration is
+also compiled from that tree's mindzero (as ``mz3@baseline``), interleaved with this tree's.
 
 Prints per configuration the median compile and its ratio to ``dp``'s, and the graph's size (nodes of the validated
 graph, with ``--nodes``; costs a second compile per configuration). Writes ``results.json`` and ``results.md``
@@ -34,7 +43,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this tree's mindzero, not an installed one
-CONFIGS = ("dp", "floor", "floor-no-refresh", "floor-no-writeback", "floor-bare", "floor-finite", "mz0", "mz1")
+CONFIGS = ("dp", "floor", "floor-no-refresh", "floor-no-writeback", "floor-bare", "floor-finite", "mz0", "mz1",
+           "floor3", "floor3-keep", "floor3-finite", "mz3")
 SHAPE = dict(dim=512, layers=6, heads=8, vocab=512, seq=64)
 
 
@@ -54,6 +64,8 @@ def build(config: str, a):
     tokens = Tensor(np.random.RandomState(0).randint(0, a.vocab, (2, a.seq)).astype(np.int32))
     if config == "dp":
         return nn.TrainOneStepCell(net, nn.AdamWeightDecay(net.trainable_params(), 1e-3)), tokens
+    if config.startswith("floor3"):
+        return _floor3(net, config), tokens
     if config.startswith("mz"):
         import mindzero
         from mindzero.comm.groups import rehearse
@@ -70,6 +82,8 @@ def build(config: str, a):
     masters = ParameterTuple([Parameter(Tensor(np.zeros(n, np.float32)), name="floor_master." + p.name)
                               for p, n in zip(params, shard_sizes)])
     slicer = ops.StridedSlice()
+    # the overflow check by its primitives (a Tensor method, ``.all()``, is parsed into a graph per call site)
+    is_finite, reduce_all = ops.IsFinite(), ops.ReduceAll()
     shard = ops.MultitypeFuncGraph("floor_shard")
     refresh = ops.MultitypeFuncGraph("floor_refresh")
     write_back = ops.MultitypeFuncGraph("floor_write_back")
@@ -98,7 +112,7 @@ def build(config: str, a):
 
     @finite.register("Tensor")
     def _finite(g):
-        return ops.isfinite(g).all()
+        return reduce_all(is_finite(g))
 
     class FloorStep(nn.Cell):
         """Forward and backward, the gradients cut to this rank's shards, the masters refreshed, the update, the
@@ -129,13 +143,107 @@ def build(config: str, a):
             grads = self.grad(self.net, self.params)(x, y)
             grads = self.map(shard, self.paddings, self.sizes, grads)
             if self.check:
-                ok = ops.stack(self.map(finite, grads)).all()
+                ok = reduce_all(ops.stack(self.map(finite, grads)))
                 if ok:
                     self.update(grads)
                 return loss
             return ops.depend(loss, self.update(grads))
 
     return FloorStep(), tokens
+
+
+def _floor3(net, config: str):
+    """The least a stage-3 step is, written with MindSpore alone: every Parameter of ``net`` replaced by this rank's
+    flat shard (rank 0 of 2), each Cell reading its weight through a property (its own ``construct`` unchanged)
+    that rebuilds the full value from the shard: the gather as a rehearsal has it (the shard zero-padded to the
+    full flat size; the padding's gradient, a slice, stands for the reduce-scatter), the parameter's padding cut,
+    the shape restored; one reader per shape, called as a method (inlined). ``floor3`` marks the reader's
+    primitives for recompute, so backward gathers again instead of keeping the full value from forward (what
+    stage 3 does by default); ``floor3-keep`` does not; ``floor3-finite`` adds the overflow check. The optimizer
+    updates the shards; there is nothing to refresh or write back."""
+    import numpy as np
+    from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+
+    ranks, slicer = 2, ops.StridedSlice()
+    is_finite, reduce_all = ops.IsFinite(), ops.ReduceAll()
+
+    class Reader(nn.Cell):
+        def __init__(self, shape, numel, shard):
+            super().__init__(auto_prefix=False)
+            self.shape, self.numel = shape, numel
+            self.pad, self.reshape = ops.Pad(((0, shard * (ranks - 1)),)), ops.Reshape()
+            if config != "floor3-keep":
+                self.pad.recompute()
+                self.reshape.recompute()
+
+        def rebuild(self, shard):
+            return self.reshape(self.pad(shard), self.shape)
+
+    class PaddedReader(Reader):
+        def __init__(self, shape, numel, shard):
+            super().__init__(shape, numel, shard)
+            self.cut = ops.StridedSlice()
+            if config != "floor3-keep":
+                self.cut.recompute()
+
+        def rebuild(self, shard):
+            return self.reshape(self.cut(self.pad(shard), (0,), (self.numel,), (1,)), self.shape)
+
+    def reading(attr):
+        def full(self):
+            return getattr(self, "_floor_read_" + attr).rebuild(getattr(self, attr + "_floor_shard"))
+        full.__name__ = attr
+        return property(full)
+
+    shards, readers, classes = {}, {}, {}
+    for _, cell in net.cells_and_names():
+        attrs = []
+        for attr, param in list(cell._params.items()):
+            if param is None:
+                continue
+            padding = -param.size % ranks
+            size = (param.size + padding) // ranks
+            if param.name not in shards:
+                flat = np.concatenate([param.asnumpy().reshape(-1), np.zeros(padding, np.float32)])
+                shards[param.name] = Parameter(Tensor(flat[:size]), name=param.name)
+            key = (tuple(param.shape), padding)
+            if key not in readers:
+                readers[key] = (PaddedReader if padding else Reader)(tuple(param.shape), param.size, size)
+            del cell._params[attr]
+            cell.insert_param_to_cell(attr + "_floor_shard", shards[param.name])
+            cell.insert_child_to_cell("_floor_read_" + attr, readers[key])
+            attrs.append(attr)
+        if attrs:
+            key = (type(cell), tuple(sorted(attrs)))
+            if key not in classes:
+                classes[key] = type(type(cell).__name__, (type(cell),), {a: reading(a) for a in key[1]})
+            cell.__class__ = classes[key]
+    finite = ops.MultitypeFuncGraph("floor3_finite")
+
+    @finite.register("Tensor")
+    def _finite(g):
+        return reduce_all(is_finite(g))
+
+    class Floor3Step(nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.net, self.shards = net, ParameterTuple(list(shards.values()))
+            self.optimizer = nn.AdamWeightDecay(self.shards, 1e-3)
+            self.grad = ops.GradOperation(get_by_list=True)
+            self.map = ops.Map()
+            self.check = config == "floor3-finite"
+
+        def construct(self, x, y):
+            loss = self.net(x, y)
+            grads = self.grad(self.net, self.shards)(x, y)
+            if self.check:
+                ok = reduce_all(ops.stack(self.map(finite, grads)))
+                if ok:
+                    self.optimizer(grads)
+                return loss
+            return ops.depend(loss, self.optimizer(grads))
+
+    return Floor3Step()
 
 
 def one(config: str, a) -> dict:
@@ -152,6 +260,8 @@ def one(config: str, a) -> dict:
         t = time.perf_counter()
         step.compile(tokens, tokens)
         out = {"compile_s": time.perf_counter() - t}
+    if config.startswith("mz"):
+        out["mindzero"] = str(Path(sys.modules["mindzero"].__file__).parents[1])
     if folder:
         out["nodes"] = len(re.findall(r"^\s*%\d+\([^)]*\) = ", last_graph(folder, "validate"), re.M))
     return out
@@ -162,12 +272,16 @@ def main(argv=None):
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--nodes", action="store_true", help="also count the validated graph's nodes")
+    ap.add_argument("--baseline", help="a checkout of another commit: its mindzero compiled beside this tree's")
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--tree", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="runs/compile_floor")
     for key, value in SHAPE.items():
         ap.add_argument(f"--{key}", type=int, default=value)
     a = ap.parse_args(argv)
     if a.one:
+        if a.tree:  # the mindzero of that tree, ahead of this one's
+            sys.path.insert(0, a.tree)
         print(json.dumps(one(a.one, a)))
         return
     configs = a.configs.split(",")
@@ -175,18 +289,22 @@ def main(argv=None):
     if unknown:
         ap.error(f"--configs: unknown {unknown}; choose from {','.join(CONFIGS)}")
     shape = [f"--{k}={getattr(a, k)}" for k in SHAPE]
-    runs = {c: [] for c in configs}
+    jobs = [(c, c, ROOT) for c in configs]  # (row, config, the tree whose mindzero it imports)
+    if a.baseline:
+        jobs += [(c + "@baseline", c, Path(a.baseline).resolve()) for c in configs if c.startswith("mz")]
+    runs = {row: [] for row, _, _ in jobs}
     for r in range(a.repeats):
-        for c in configs:
-            cmd = [sys.executable, __file__, "--one", c, *shape] + (["--nodes"] if a.nodes and r == 0 else [])
+        for row, c, tree in jobs:
+            cmd = [sys.executable, __file__, "--one", c, "--tree", str(tree), *shape] + \
+                (["--nodes"] if a.nodes and r == 0 else [])
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
             if done.returncode:
-                sys.exit(f"{c}: exit {done.returncode}\n{done.stderr[-3000:]}")
-            runs[c].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"  {c} run {r}: {runs[c][-1]['compile_s']:.2f}s", flush=True)
+                sys.exit(f"{row}: exit {done.returncode}\n{done.stderr[-3000:]}")
+            runs[row].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"  {row} run {r}: {runs[row][-1]['compile_s']:.2f}s", flush=True)
     dp = statistics.median(x["compile_s"] for x in runs["dp"]) if "dp" in runs else None
     rows = []
-    for c in configs:
+    for c in runs:
         times = [x["compile_s"] for x in runs[c]]
         row = dict(config=c, compile_s=statistics.median(times), runs=times,
                    nodes=next((x["nodes"] for x in runs[c] if "nodes" in x), None))

@@ -10,7 +10,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from ..core.topology import World
-from .layout import MAP, column_pieces, flat_concat, pieces, reshape_as
+from .layout import GETITEM, MAP, column_pieces, flat_concat, flat_pick, pick
 from .backends import backend_of
 
 
@@ -80,30 +80,32 @@ class Bucket:
 
 class FusedReduceScatterSum(nn.Cell):
     """:class:`ReduceScatterSum` of several tensors in one collective (a ``comm_fusion`` bucket):
-    ``(tensors, bucket) -> (shard_0, ..., shard_k)``, each this rank's padded 1/G of the sum over the world
-    of ``tensors[i]`` flattened. One tensor: exactly :class:`ReduceScatterSum`. One instance serves every
-    bucket."""
+    ``(values, positions, bucket) -> (shard_0, ..., shard_k)``, each this rank's padded 1/G of the sum over the
+    world of ``values[positions[i]]`` flattened. One tensor: exactly :class:`ReduceScatterSum`. One instance
+    serves every bucket."""
 
     def __init__(self, world: World):
         super().__init__(auto_prefix=False)
         self.op = backend_of(world).fused_reduce_scatter()
 
-    def construct(self, tensors, bucket):
-        return self.op(tensors, bucket)
+    def construct(self, values, positions, bucket):
+        return self.op(pick(values, positions), bucket)
 
 
 class FusedAllReduceSum(nn.Cell):
     """Sum over the world of several full tensors in one all-reduce (a ``comm_fusion`` bucket):
-    ``(tensors, bucket) -> tensors`` of the same shapes. One instance serves every bucket."""
+    ``(values, positions, bucket) -> (flat,)``, the sum of ``values[positions[i]]`` flattened and concatenated
+    (member ``i`` at ``bucket[3][i]``, ``bucket[0][i]`` elements: its reader cuts it out, as the train step's
+    ``route`` does); one tensor: ``(sum,)`` in its shape. One instance serves every bucket."""
 
     def __init__(self, world: World):
         super().__init__(auto_prefix=False)
         self.sum = AllReduceSum(world, "world")
 
-    def construct(self, tensors, bucket):
-        if len(tensors) == 1:
-            return (self.sum(tensors[0]),)
-        return MAP(reshape_as, pieces(self.sum(flat_concat(tensors)), bucket[3], bucket[0]), tensors)
+    def construct(self, values, positions, bucket):
+        if len(positions) == 1:
+            return (self.sum(GETITEM(values, positions[0])),)
+        return (self.sum(flat_pick(values, positions)),)
 
 
 class FusedAllGather(nn.Cell):

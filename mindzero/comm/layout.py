@@ -16,6 +16,18 @@ MAP = ops.Map()
 SLICE = ops.StridedSlice()
 
 
+class _TupleItem(type(ops.tuple_getitem)):
+    """MindSpore's ``TupleGetItem`` primitive in graph code; PyNative, which cannot run it eagerly, indexes."""
+
+    def __call__(self, values, i):
+        return values[i]
+
+
+#: ``GETITEM(values, i)``: ``values[i]`` of a tuple by the ``TupleGetItem`` primitive: indexing a tuple
+#: (``values[i]``) is parsed into a function graph per call site
+GETITEM = _TupleItem("TupleGetItem")
+
+
 def own_shard(flat, padding: int, op_rank: int, op_size: int):
     """``flat`` zero-padded by ``padding``, then op rank ``op_rank``'s contiguous 1/``op_size`` (the graph
     twin of :func:`mindzero.core.plan.shard_of_flat`).
@@ -35,6 +47,7 @@ def own_shard(flat, padding: int, op_rank: int, op_size: int):
 # --- tuples and buckets ------------------------------------------------------------------------------------
 flatten = ops.MultitypeFuncGraph("mindzero_flatten")
 item = ops.MultitypeFuncGraph("mindzero_item")
+flat_item = ops.MultitypeFuncGraph("mindzero_flat_item")
 own_part = ops.MultitypeFuncGraph("mindzero_own_part")
 as_rows = ops.MultitypeFuncGraph("mindzero_as_rows")
 reshape_as = ops.MultitypeFuncGraph("mindzero_reshape_as")
@@ -51,7 +64,13 @@ def _flatten(x):
 @item.register("Tuple", "Number")
 def _item(values, i):
     """``values[i]``."""
-    return values[i]
+    return GETITEM(values, i)
+
+
+@flat_item.register("Tuple", "Number")
+def _flat_item(values, i):
+    """``values[i]`` as 1D."""
+    return GETITEM(values, i).reshape((-1,))
 
 
 @own_part.register("Tensor", "Number", "Number", "Number", "Number", "Number")
@@ -100,6 +119,12 @@ def column_pieces(x, offsets, sizes):
 def pick(values, positions):
     """``(values[positions[0]], values[positions[1]], ...)``."""
     return MAP(ops.partial(item, values), positions)
+
+
+def flat_pick(values, positions):
+    """``values[positions[0]], values[positions[1]], ...`` flattened and concatenated (at least two positions): one
+    kernel call a tensor, where :func:`pick` then :func:`flat_concat` make two."""
+    return ops.concat(MAP(ops.partial(flat_item, values), positions))
 
 
 def flat_concat(tensors):

@@ -15,8 +15,11 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import ops
 
-from ..comm.layout import MAP, SLICE, own_shard, pick
+from ..comm.layout import GETITEM, MAP, SLICE, own_shard, pick
 from ..core.state import OWN_SLICE, REPLICATED
+
+#: primitives called directly in graph code (Tensor methods such as ``.all()`` are parsed into a graph per call site)
+IS_FINITE, ALL = ops.IsFinite(), ops.ReduceAll()
 
 # --- the train step ----------------------------------------------------------------------------------------
 reduce_unit = ops.MultitypeFuncGraph("mindzero_reduce_unit")
@@ -46,7 +49,7 @@ write_cast = ops.MultitypeFuncGraph("mindzero_write_cast")
 @reduce_unit.register("Tuple", "Function", "Tuple", "Tuple")
 def _reduce_unit(grads, reducer, positions, bucket):
     """One bucket's collective: ``reducer`` of the gradients at ``positions``."""
-    return reducer(pick(grads, positions), bucket)
+    return reducer(grads, positions, bucket)
 
 
 def _scaled(g, factor, scale_it, widen):
@@ -65,8 +68,17 @@ def _reduce_grad(factor, scale_it, widen, reducer, padding, g):
 
 @route.register("Tuple", "Tensor", "Bool", "Bool", "Number")
 def _route(values, factor, scale_it, widen, i):
-    """Gradient ``values[i]`` (``values``: the gradients, then every bucket's reduced members), scaled."""
-    return _scaled(values[i], factor, scale_it, widen)
+    """Gradient ``values[i]`` (``values``: the gradients, then every bucket's reduced result), scaled."""
+    return _scaled(GETITEM(values, i), factor, scale_it, widen)
+
+
+@route.register("Tuple", "Tensor", "Bool", "Bool", "Tuple")
+def _route_piece(values, factor, scale_it, widen, where):
+    """A member of a fused all-reduce: ``where = (j, offset, numel, shape)``, its elements
+    ``[offset, offset + numel)`` of the flat sum ``values[j]``, in its shape, scaled (one kernel call a member:
+    cut, reshape and scale together)."""
+    j, offset, numel, shape = where
+    return _scaled(SLICE(GETITEM(values, j), (offset,), (offset + numel,), (1,)).reshape(shape), factor, scale_it, widen)
 
 
 @cast_to.register("TypeType", "Tensor")
@@ -91,8 +103,8 @@ def _scale(factor, g):
 
 @finite.register("Tensor")
 def _finite(g):
-    """Whether every element of ``g`` is finite."""
-    return ops.isfinite(g).all()
+    """Whether every element of ``g`` is finite (by the primitives: ``.all()`` is parsed into a graph a call)."""
+    return ALL(IS_FINITE(g))
 
 
 @norm_sq.register("Number", "Number", "Number", "Number", "Number", "Tensor")

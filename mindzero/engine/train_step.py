@@ -59,7 +59,7 @@ from ..comm.cells import AllReduceSum, AnyRank, Bucket, FusedAllReduceSum, Fused
 from ..core.state import CAST, REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
 from ..core.topology import World
 from ..core.host import release_host_memory
-from .kernels import (MAP, accumulate, cast_to, depend_on, ema_update, finite, norm_sq, reduce_grad, reduce_unit,
+from .kernels import (ALL, MAP, accumulate, cast_to, depend_on, ema_update, finite, norm_sq, reduce_grad, reduce_unit,
                       route, scale_by, zero_after)
 from .precision import explain_dtype_errors
 from .offload import DiskStates
@@ -121,11 +121,18 @@ class Reduction(nn.Cell):
         self.reducer_cells = nn.CellList([allreduce, reduce_scatter])
         self.reducers = tuple(reduce_scatter if u.kind == REDUCE_SCATTER else allreduce for u in units)
         self.buckets = tuple(Bucket.of(u.specs) for u in units)
-        # where gradient i is after the buckets, in (the gradients, then each bucket's members in order)
+        # where gradient i is after the buckets, in (the gradients, then each bucket's results in order): a
+        # position, or for a member of a fused all-reduce (one flat sum) the sum's position, the member's offset
+        # and size in it, and its shape
         sources, at = list(range(n)), n
-        for pos in self.positions:
-            for i in pos:
-                sources[i], at = at, at + 1
+        for u, pos, bucket in zip(units, self.positions, self.buckets):
+            if u.kind == REDUCE_SCATTER or len(pos) == 1:
+                for i in pos:
+                    sources[i], at = at, at + 1
+                continue
+            for i, spec, numel, offset in zip(pos, u.specs, bucket[0], bucket[3]):
+                sources[i] = (at, offset, numel, tuple(spec.shape))
+            at += 1
         self.sources = tuple(sources)
 
     def construct(self, grads, factor):
@@ -286,7 +293,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         # collective, makes the sums means of the unscaled gradients
         inv = ops.reciprocal(ops.cast(scale, ms.float32) * (self.accum_steps * self.world_size))
         grads = self.boundary(grads, inv)
-        overflow = self.any_rank(ops.logical_not(ops.stack(MAP(finite, grads)).all()))
+        overflow = self.any_rank(ops.logical_not(ALL(ops.stack(MAP(finite, grads)))))
         if self.has_manager:
             overflow = self.loss_scaling_manager(self.scale_sense, overflow)
         if self.clip_grad:
