@@ -29,9 +29,9 @@ all-gather of two equal shards, as :func:`mindzero.comm.groups.rehearse` does). 
 ``--baseline DIR``: a checkout of another commit (``git worktree add DIR <commit>``): each ``mz`` configuration is
 also compiled from that tree's mindzero (as ``mz3@baseline``), interleaved with this tree's.
 
-Prints per configuration the median compile and its ratio to ``dp``'s, and the graph's size (nodes of the validated
-graph, with ``--nodes``; costs a second compile per configuration). Writes ``results.json`` and ``results.md``
-under ``--out``. Needs the machine alone: the figures are seconds.
+Prints per configuration the median compile (wall and CPU time of the process) and their ratios to ``dp``'s, and the
+graph's size (nodes of the validated graph, with ``--nodes``; costs a second compile per configuration). Writes
+``results.json`` and ``results.md`` under ``--out``. Needs the machine alone: the figures are seconds.
 """
 import argparse
 import json
@@ -46,6 +46,21 @@ sys.path.insert(0, str(ROOT))  # this tree's mindzero, not an installed one
 CONFIGS = ("dp", "floor", "floor-no-refresh", "floor-no-writeback", "floor-bare", "floor-finite", "mz0", "mz1",
            "floor3", "floor3-keep", "floor3-finite", "mz3")
 SHAPE = dict(dim=512, layers=6, heads=8, vocab=512, seq=64)
+
+
+def _finite_check():
+    """The overflow check's per-gradient kernel (every element finite) and the reduction of its results, by their
+    primitives (a Tensor method, ``.all()``, is parsed into a graph per call site)."""
+    from mindspore import ops
+
+    is_finite, reduce_all = ops.IsFinite(), ops.ReduceAll()
+    finite = ops.MultitypeFuncGraph("floor_finite")
+
+    @finite.register("Tensor")
+    def _finite(g):
+        return reduce_all(is_finite(g))
+
+    return finite, reduce_all
 
 
 def build(config: str, a):
@@ -82,12 +97,10 @@ def build(config: str, a):
     masters = ParameterTuple([Parameter(Tensor(np.zeros(n, np.float32)), name="floor_master." + p.name)
                               for p, n in zip(params, shard_sizes)])
     slicer = ops.StridedSlice()
-    # the overflow check by its primitives (a Tensor method, ``.all()``, is parsed into a graph per call site)
-    is_finite, reduce_all = ops.IsFinite(), ops.ReduceAll()
+    finite, reduce_all = _finite_check()
     shard = ops.MultitypeFuncGraph("floor_shard")
     refresh = ops.MultitypeFuncGraph("floor_refresh")
     write_back = ops.MultitypeFuncGraph("floor_write_back")
-    finite = ops.MultitypeFuncGraph("floor_finite")
 
     def own(x, padding, size):
         flat = x.reshape((-1,))
@@ -109,10 +122,6 @@ def build(config: str, a):
         if full.shape[0] != param.size:
             full = slicer(full, (0,), (param.size,), (1,))
         return ops.assign(param, full.reshape(param.shape))
-
-    @finite.register("Tensor")
-    def _finite(g):
-        return reduce_all(is_finite(g))
 
     class FloorStep(nn.Cell):
         """Forward and backward, the gradients cut to this rank's shards, the masters refreshed, the update, the
@@ -165,7 +174,6 @@ def _floor3(net, config: str):
     from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
     ranks, slicer = 2, ops.StridedSlice()
-    is_finite, reduce_all = ops.IsFinite(), ops.ReduceAll()
 
     class Reader(nn.Cell):
         def __init__(self, shape, numel, shard):
@@ -218,11 +226,7 @@ def _floor3(net, config: str):
             if key not in classes:
                 classes[key] = type(type(cell).__name__, (type(cell),), {a: reading(a) for a in key[1]})
             cell.__class__ = classes[key]
-    finite = ops.MultitypeFuncGraph("floor3_finite")
-
-    @finite.register("Tensor")
-    def _finite(g):
-        return reduce_all(is_finite(g))
+    finite, reduce_all = _finite_check()
 
     class Floor3Step(nn.Cell):
         def __init__(self):
@@ -257,9 +261,9 @@ def one(config: str, a) -> dict:
     step, tokens = build(config, a)
     folder = tempfile.mkdtemp() if a.nodes else None
     with saved_graphs(folder, "validate") if folder else contextlib.nullcontext():
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         step.compile(tokens, tokens)
-        out = {"compile_s": time.perf_counter() - t}
+        out = {"compile_s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu}
     if config.startswith("mz"):
         out["mindzero"] = str(Path(sys.modules["mindzero"].__file__).parents[1])
     if folder:
@@ -301,20 +305,25 @@ def main(argv=None):
             if done.returncode:
                 sys.exit(f"{row}: exit {done.returncode}\n{done.stderr[-3000:]}")
             runs[row].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"  {row} run {r}: {runs[row][-1]['compile_s']:.2f}s", flush=True)
+            print(f"  {row} run {r}: {runs[row][-1]['compile_s']:.2f}s (CPU {runs[row][-1]['cpu_s']:.2f}s)", flush=True)
     dp = statistics.median(x["compile_s"] for x in runs["dp"]) if "dp" in runs else None
+    dp_cpu = statistics.median(x["cpu_s"] for x in runs["dp"]) if "dp" in runs else None
     rows = []
     for c in runs:
         times = [x["compile_s"] for x in runs[c]]
         row = dict(config=c, compile_s=statistics.median(times), runs=times,
+                   cpu_s=statistics.median(x["cpu_s"] for x in runs[c]),
                    nodes=next((x["nodes"] for x in runs[c] if "nodes" in x), None))
         row["vs_dp"] = row["compile_s"] / dp if dp else None
+        row["cpu_vs_dp"] = row["cpu_s"] / dp_cpu if dp else None
         rows.append(row)
-    lines = ["| config | compile s (median) | vs plain DP | validated graph nodes | every compile s |", "|---|---|---|---|---|"]
+    lines = ["| config | compile s (median) | vs plain DP | CPU s (median) | CPU vs plain DP | validated graph nodes | "
+             "every compile s |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         ratio = f"{row['vs_dp']:.2f}x" if row["vs_dp"] else ""
-        lines.append(f"| {row['config']} | {row['compile_s']:.2f} | {ratio} | {row['nodes'] or ''} | "
-                     + ", ".join(f"{t:.2f}" for t in row["runs"]) + " |")
+        cpu_ratio = f"{row['cpu_vs_dp']:.2f}x" if row["cpu_vs_dp"] else ""
+        lines.append(f"| {row['config']} | {row['compile_s']:.2f} | {ratio} | {row['cpu_s']:.2f} | {cpu_ratio} | "
+                     f"{row['nodes'] or ''} | " + ", ".join(f"{t:.2f}" for t in row["runs"]) + " |")
     table = "\n".join(lines)
     print(table)
     out = Path(a.out)

@@ -78,7 +78,8 @@ def _route_piece(values, factor, scale_it, widen, where):
     ``[offset, offset + numel)`` of the flat sum ``values[j]``, in its shape, scaled (one kernel call a member:
     cut, reshape and scale together)."""
     j, offset, numel, shape = where
-    return _scaled(SLICE(GETITEM(values, j), (offset,), (offset + numel,), (1,)).reshape(shape), factor, scale_it, widen)
+    piece = SLICE(GETITEM(values, j), (offset,), (offset + numel,), (1,))
+    return _scaled(piece.reshape(shape), factor, scale_it, widen)
 
 
 @cast_to.register("TypeType", "Tensor")

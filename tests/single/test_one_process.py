@@ -203,16 +203,23 @@ def test_the_step_compiles_without_branch_graphs_per_parameter(stage, tmp_path):
     gather, the bucket cuts, the gradients' route after the buckets) choose when the step is built instead,
     and a reduction with nothing to reduce is not compiled (stage 2 without accumulation reduces once, its
     reduce-scatters and all-reduces together). Stage 3 here: matrices gathered, the small parameters kept whole
-    and all-reduced in one fused bucket."""
+    and all-reduced in one fused bucket, each member picked and cut out by one graph apiece. No graph per
+    parameter for what a primitive does: no tuple indexing in the kernels, no ``Tensor.all()`` in the overflow
+    check."""
     options = dict(stage3_param_persistence_threshold=100) if stage == 3 else {}
     names, n = _inferred_graphs(stage, tmp_path, **options)
-    per_parameter = ("rebuild", "_route", "_piece", "_column", "_reduce_grad")
+    per_parameter = ("rebuild", "_route", "_route_piece", "_flat_item", "_piece", "_column", "_reduce_grad")
     # a branch or continuation graph is named after its function with MindSpore's markers (digits, arrows) before it
     derived = [(name, name.lstrip("✓✗↓↰↱↵↻0123456789")) for name in names]
     branches = [name for name, base in derived if base in per_parameter and base != name]
     assert branches == [], sorted(set(branches))
+    assert names.count("_finite") == n and "tensor_all" not in names, (names.count("_finite"), n)
     if stage == 3:
-        assert "rebuild" in names and "_route" in names and "_piece" in names, sorted(set(names))
+        members = names.count("_route_piece")
+        assert "rebuild" in names and members > 1, sorted(set(names))
+        assert names.count("_route") + members == n and names.count("_flat_item") == members
+        for unrolled in ("_piece", "_item", "_flatten", "_reshape_as"):  # the bucket split and picked as it was
+            assert unrolled not in names, unrolled
     else:  # one reduction (at the boundary), one graph per gradient
         assert names.count("_reduce_grad") == n, (names.count("_reduce_grad"), n)
 
