@@ -104,7 +104,7 @@ def _scale(factor, g):
 
 @finite.register("Tensor")
 def _finite(g):
-    """Whether every element of ``g`` is finite (by the primitives: ``.all()`` is parsed into a graph a call)."""
+    """Whether every element of ``g`` is finite (by the primitives: ``.all()`` is parsed into a graph per call)."""
     return ALL(IS_FINITE(g))
 
 
