@@ -173,26 +173,28 @@ def _floor3(net, config: str):
     import numpy as np
     from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-    ranks, slicer = 2, ops.StridedSlice()
+    ranks = 2
+
+    def regathered(prim):
+        """``prim``, recomputed in backward unless ``floor3-keep``."""
+        if config != "floor3-keep":
+            prim.recompute()
+        return prim
 
     class Reader(nn.Cell):
-        def __init__(self, shape, numel, shard):
+        def __init__(self, shape, shard):
             super().__init__(auto_prefix=False)
-            self.shape, self.numel = shape, numel
-            self.pad, self.reshape = ops.Pad(((0, shard * (ranks - 1)),)), ops.Reshape()
-            if config != "floor3-keep":
-                self.pad.recompute()
-                self.reshape.recompute()
+            self.shape = shape
+            self.pad = regathered(ops.Pad(((0, shard * (ranks - 1)),)))
+            self.reshape = regathered(ops.Reshape())
 
         def rebuild(self, shard):
             return self.reshape(self.pad(shard), self.shape)
 
-    class PaddedReader(Reader):
-        def __init__(self, shape, numel, shard):
-            super().__init__(shape, numel, shard)
-            self.cut = ops.StridedSlice()
-            if config != "floor3-keep":
-                self.cut.recompute()
+    class PaddedReader(Reader):  # a class of its own: a Python ``if`` in ``rebuild`` would parse into branch graphs
+        def __init__(self, shape, shard, numel):
+            super().__init__(shape, shard)
+            self.numel, self.cut = numel, regathered(ops.StridedSlice())
 
         def rebuild(self, shard):
             return self.reshape(self.cut(self.pad(shard), (0,), (self.numel,), (1,)), self.shape)
@@ -216,7 +218,7 @@ def _floor3(net, config: str):
                 shards[param.name] = Parameter(Tensor(flat[:size]), name=param.name)
             key = (tuple(param.shape), padding)
             if key not in readers:
-                readers[key] = (PaddedReader if padding else Reader)(tuple(param.shape), param.size, size)
+                readers[key] = PaddedReader(key[0], size, param.size) if padding else Reader(key[0], size)
             del cell._params[attr]
             cell.insert_param_to_cell(attr + "_floor_shard", shards[param.name])
             cell.insert_child_to_cell("_floor_read_" + attr, readers[key])
