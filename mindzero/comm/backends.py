@@ -69,9 +69,10 @@ class Backend:
     * ``broadcast(root)``: ``(tensors, bucket) -> tensors``: op rank ``root``'s tensors (of this rank's op group)
       on every rank of the group; the others' inputs give only shapes and dtypes (owner mode's write-back;
       ``bucket``: :meth:`mindzero.comm.cells.Bucket.of` of the tensors, for the backends that concatenate them);
-    * ``host_gather()``: ``(s,) tensor -> (op_size * s,) numpy array``, the op group's tensors concatenated in
-      group order, called eagerly (host-side tools such as ``gather_full_state_dict``: no graph to compile per
-      shape; measured on the test GPT at 2 ranks: 2.3 s of graph compiles -> milliseconds).
+    * ``host_gather(scope)``: ``(s,) tensor -> (size * s,) numpy array``, the op group's (``scope="op"``) or
+      every rank's (``"world"``) tensors concatenated in group order, called eagerly (host-side tools such as
+      ``gather_full_state_dict`` and prepare's cross-rank checks: no graph to compile per shape; measured on the
+      test GPT at 2 ranks: 2.3 s of graph compiles -> milliseconds).
     """
 
     name = None
@@ -80,8 +81,8 @@ class Backend:
     def __init__(self, world: World):
         self.world = world
 
-    def host_gather(self):
-        op = self.gather("op")
+    def host_gather(self, scope="op"):
+        op = self.gather(scope)
         return lambda x: op(x).asnumpy()
 
     def host_broadcast(self, root: int):
@@ -149,7 +150,7 @@ class SingleRank(Backend):
     def shard_gather(self, numel, padding, reduce_dtype=None):
         return None, None
 
-    def host_gather(self):
+    def host_gather(self, scope="op"):
         return lambda x: x.asnumpy()
 
     def broadcast(self, root: int):
@@ -187,9 +188,9 @@ class Emulated(Backend):
     def shard_gather(self, numel, padding, reduce_dtype=None):
         return sum_then_slice_gather(self, numel, padding, reduce_dtype)
 
-    def host_gather(self):
-        """A world all-gather, the op group's rows kept (in numpy)."""
-        gather, rows = self._world_gather(), self._rows_select()
+    def host_gather(self, scope="op"):
+        """A world all-gather, the op group's rows kept (in numpy) unless ``scope`` is ``"world"``."""
+        gather, rows = self._world_gather(), self._rows_select() if scope == "op" else None
         if rows is None:
             return lambda x: gather(x).asnumpy()
         rows, size = rows.asnumpy(), self.world.world_size
@@ -300,7 +301,7 @@ class Rehearsal(Emulated):
     def _world_sum(self):
         return LocalCopy()
 
-    def host_gather(self):
+    def host_gather(self, scope="op"):
         return lambda x: np.tile(x.asnumpy(), self.world.world_size)
 
     def broadcast(self, root: int):

@@ -13,7 +13,7 @@ import mindspore as ms
 
 from ..core.config import GroupPolicy
 from ..core.topology import REHEARSAL, Group, HybridLayout, LayoutError, World
-from .cells import AllGather, shared_cell
+from .backends import backend_of
 
 
 def current_world() -> World:
@@ -130,7 +130,7 @@ def _gather_views(flat: World, op, dp) -> list:
         for i, r in enumerate(ranks):
             if 0 <= r < n:
                 row[base + r] = i + 1
-    table = shared_cell(AllGather, flat, "world")(Tensor(row)).asnumpy().reshape(n, 2 * n)
+    table = backend_of(flat).host_gather("world")(Tensor(row)).reshape(n, 2 * n)
     views = []
     for line in table:
         groups = []

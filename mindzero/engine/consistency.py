@@ -11,7 +11,7 @@ import hashlib
 import numpy as np
 from mindspore import Tensor
 
-from ..comm.cells import AllGather, shared_cell
+from ..comm.backends import backend_of
 from ..core.plan import PartitionPlan
 from ..core.topology import World
 
@@ -54,9 +54,10 @@ def check_same_plan(plan: PartitionPlan, world: World, stage: int) -> None:
 
 
 def _rows_of_all_ranks(world: World, row: list):
-    """``row`` (floats, exact in float32) from every rank: a ``(world_size, len(row))`` numpy array."""
-    gathered = shared_cell(AllGather, world, "world")(Tensor(np.array(row, np.float32)))
-    return gathered.asnumpy().reshape(world.world_size, -1)
+    """``row`` (floats, exact in float32) from every rank: a ``(world_size, len(row))`` numpy array (one
+    all-gather, called eagerly: no graph compiled for a check)."""
+    gathered = backend_of(world).host_gather("world")(Tensor(np.array(row, np.float32)))
+    return gathered.reshape(world.world_size, -1)
 
 
 def check_same_values(plan: PartitionPlan, digests: dict, world: World) -> None:

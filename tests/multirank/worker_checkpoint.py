@@ -18,7 +18,7 @@ import mindzero
 from tests.support.data import unit_batch
 from tests.support.models import build, make_optimizer
 from tests.support.scenarios import NO_PERSISTENCE_CAP, CheckpointCase
-from tests.support.worker import start
+from tests.support.worker import settle, start
 
 
 def make(case: CheckpointCase):
@@ -42,6 +42,7 @@ def main():
     worker = start(ap)
     world, out_dir = worker.world, worker.rank_dir
     for case in (CheckpointCase(**c) for c in json.loads(worker.args.cases)):
+        settle()
         net, train = make(case)
         mp = bool(case.param_dtype)
         cls, result = type(net), {}

@@ -17,7 +17,7 @@ from mindspore import nn
 import mindzero
 from tests.support.optimizers import BY_NAME, CASES, OptNet, build, stages_for
 from tests.support.tier import add_worker_flag
-from tests.support.worker import ReferenceStep, start
+from tests.support.worker import ReferenceStep, settle, start
 
 STEPS = 4
 
@@ -25,6 +25,7 @@ STEPS = 4
 def train(case, stage, world, steps=STEPS, lazy=False):
     """``case``'s optimizer on OptNet: plain data parallel (``stage="dp"``) or mindzero at ``stage`` (``lazy``: the
     network and optimizer built under ``mindzero.lazy_init``)."""
+    settle()
     with mindzero.lazy_init() if lazy else contextlib.nullcontext():
         net = build()
         opt = case.make(net.trainable_params())

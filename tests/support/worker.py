@@ -1,5 +1,6 @@
 """The worker side of a test launch: start (the library's worker protocol) and train a :class:`~tests.support.scenarios.Scenario`."""
 import contextlib
+import gc
 import tempfile
 from dataclasses import dataclass
 
@@ -13,6 +14,16 @@ from mindzero.launch.worker import start_worker
 
 from .data import batch, concat
 from .models import TORCH_STYLE, build, make_optimizer
+
+
+def settle():
+    """Before each scenario of a launch: collect what the earlier ones left, then move every object still alive out
+    of the cyclic collector's sight (``gc.freeze``). MindSpore runs a full ``gc.collect()`` before every graph it
+    compiles, whose time grows with the objects the process holds, and MindSpore keeps every compiled train step
+    alive: without this, a launch of 60 scenarios spends 0.14 s and, by its end, 0.23 s a compile collecting, and the
+    launch takes about a tenth longer. Only objects alive here are frozen (they stay, as they would)."""
+    gc.collect()
+    gc.freeze()
 
 
 def start(parser=None):
@@ -58,6 +69,7 @@ class ReferenceStep:
 
 def run(scn, world) -> Run:
     """Train ``scn`` on this rank of ``world`` (the whole world: data by world rank)."""
+    settle()
     net = build(scn.model)
     init_params = {"init/" + p.name: p.asnumpy().copy() for p in net.trainable_params()}
     cls = type(net)
