@@ -11,7 +11,9 @@ step). One more launch (``first_step_worker.py``) times, per kind of collective,
 second execution of a graph holding that one collective, so the first execution's share that is the collectives'
 own start-up is visible apart from the network.
 
-Per configuration (rank 0, the median over the repeats; every run in the JSON): compile s, first execution s,
+Per configuration (rank 0, the median over the repeats; every run in the JSON): ``prepare_train_network``'s
+seconds (before the step: the plan, the cross-rank checks, the shards; with ``--lazy`` builds, materialising them;
+plain DP: ``nn.TrainOneStepCell``), compile s, first execution s,
 the first step (their sum) and its ratio to plain DP's, the steady step, the first step's excess over a steady
 step, the collectives per step and the distinct collective kernels (kind and size) of the plan.
 
@@ -58,7 +60,8 @@ def summarize(runs: dict, world: int) -> list:
     for config, ranks in runs.items():
         med = lambda key: statistics.median(r[key] for r in ranks)  # noqa: E731
         steady = statistics.median(statistics.median(r["times"]) for r in ranks)
-        row = dict(config=config, name=NAMES[config], world=world, repeats=len(ranks),
+        prepare = statistics.median(next(p["seconds"] for p in r["phases"] if p["phase"] == "prepare") for r in ranks)
+        row = dict(config=config, name=NAMES[config], world=world, repeats=len(ranks), prepare_s=prepare,
                    compile_s=med("compile_s"), first_execution_s=med("first_execution_s"),
                    first_step_s=med("first_step_s"), steady_s=steady,
                    every_first_step=[round(r["first_step_s"], 2) for r in ranks],
@@ -84,11 +87,11 @@ def collectives(world: int, out: Path, a) -> list:
 
 def markdown(rows, kinds, command: str) -> str:
     lines = [f"`{command}`", "",
-             "| config | ranks | compile s | first execution s | first step s | vs DP | compile vs DP | steady step s "
+             "| config | ranks | prepare s | compile s | first execution s | first step s | vs DP | compile vs DP | steady step s "
              "| first step - steady s | collectives/step | distinct collective kernels | every run's first step s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['name']} | {r['world']} | {r['compile_s']:.2f} | {r['first_execution_s']:.2f} | "
+        lines.append(f"| {r['name']} | {r['world']} | {r['prepare_s']:.2f} | {r['compile_s']:.2f} | {r['first_execution_s']:.2f} | "
                      f"{r['first_step_s']:.2f} | {r.get('ratio', float('nan')):.2f}x | "
                      f"{r.get('compile_ratio', float('nan')):.2f}x | {r['steady_s']:.2f} | {r['excess_s']:.2f} | "
                      f"{r['calls']} | {r['kernels'] if r['kernels'] is not None else ''} | "
