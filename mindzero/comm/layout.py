@@ -2,20 +2,14 @@
 flattened, a tensor laid out as one row per op rank. The collective Cells (:mod:`mindzero.comm.cells`,
 :mod:`mindzero.comm.backends`) and the train step's kernels (:mod:`mindzero.engine.kernels`) share them.
 
-``MAP`` is mindzero's ``ops.HyperMap``: per-tensor work is a ``MultitypeFuncGraph`` kernel mapped over tuples
+``MAP`` is mindzero's one ``ops.Map``: per-tensor work is a ``MultitypeFuncGraph`` kernel mapped over tuples
 of tensors (MindSpore's idiom, ``nn/wrap/grad_reducer.py``), never a tuple grown one element at a time.
-``MAP_TUPLES`` (``ops.Map``) maps where an element is itself a tuple (a bucket's positions, a shape), which
-``HyperMap`` would map into instead of handing it over whole.
 """
 from __future__ import annotations
 
 from mindspore import ops
 
-#: HyperMap, not Map: ``Map`` makes a function graph per element, which MindSpore's front end parses and
-#: type-infers before inlining it; ``HyperMap`` shares one per kind of element (the step's overflow check over the
-#: example GPT's 76 gradients: 76 graphs with ``Map``, 8 with ``HyperMap``)
-MAP = ops.HyperMap()
-MAP_TUPLES = ops.Map()
+MAP = ops.Map()
 
 #: ``SLICE(x, begin, end, strides)``: the slicing primitive, called directly in graph code: Tensor indexing
 #: (``x[a:b]``) is parsed into several function graphs per call site, and so is a Python helper wrapping it

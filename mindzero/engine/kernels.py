@@ -1,5 +1,5 @@
-"""Every graph-mode kernel of mindzero: ``MultitypeFuncGraph`` s mapped over tuples of tensors with
-``HyperMap`` (:data:`MAP`; ``Map``, :data:`MAP_TUPLES`, where an element is a tuple), MindSpore's own idiom (``nn/wrap/grad_reducer.py``).
+"""Every graph-mode kernel of mindzero: ``MultitypeFuncGraph`` s mapped over tuples of tensors with the one
+``Map`` (:data:`MAP`), MindSpore's own idiom (``nn/wrap/grad_reducer.py``).
 
 The graph holds one call per tensor; nothing grows a tuple one element at a time (which unrolls into a
 graph quadratic in the number of tensors). Per-tensor constants (paddings, positions, buckets) are tuples
@@ -15,7 +15,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import ops
 
-from ..comm.layout import GETITEM, MAP, MAP_TUPLES, SLICE, own_shard, pick
+from ..comm.layout import GETITEM, MAP, SLICE, own_shard, pick
 from ..core.state import OWN_SLICE, REPLICATED
 
 #: primitives called directly in graph code (Tensor methods such as ``.all()`` are parsed into a graph per call site)

@@ -59,8 +59,8 @@ from ..comm.cells import AllReduceSum, AnyRank, Bucket, FusedAllReduceSum, Fused
 from ..core.state import CAST, REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
 from ..core.topology import World
 from ..core.host import release_host_memory
-from .kernels import (ALL, MAP, MAP_TUPLES, accumulate, cast_to, depend_on, ema_update, finite, norm_sq, reduce_grad,
-                      reduce_unit, route, scale_by, zero_after)
+from .kernels import (ALL, MAP, accumulate, cast_to, depend_on, ema_update, finite, norm_sq, reduce_grad, reduce_unit,
+                      route, scale_by, zero_after)
 from .precision import explain_dtype_errors
 from .offload import DiskStates
 from .states import InMemoryStates
@@ -140,9 +140,9 @@ class Reduction(nn.Cell):
             return MAP(ops.partial(reduce_grad, factor, self.scale, self.widen), self.reducers, self.paddings,
                         grads)
         values = grads
-        for members in MAP_TUPLES(ops.partial(reduce_unit, grads), self.reducers, self.positions, self.buckets):
+        for members in MAP(ops.partial(reduce_unit, grads), self.reducers, self.positions, self.buckets):
             values = values + members  # one concatenation per bucket
-        return MAP_TUPLES(ops.partial(route, values, factor, self.scale, self.widen), self.sources)
+        return MAP(ops.partial(route, values, factor, self.scale, self.widen), self.sources)
 
 
 class ZeroEMA(nn.Cell):

@@ -16,9 +16,8 @@ from ..comm.cells import AllGather, Bucket, FusedAllGather
 from ..core.optim_plan import OWNER, placeholder_shape
 from ..core.state import CAST, GATHER, ZeroState
 from ..core.topology import World
-from .kernels import (MAP, MAP_TUPLES, after_collective, broadcast_input, broadcast_write, gather_unit,
-                      gather_unit_in_order, gather_write, gather_write_in_order, in_order, owner_grad, refresh,
-                      write_cast)
+from .kernels import (MAP, after_collective, broadcast_input, broadcast_write, gather_unit, gather_unit_in_order,
+                      gather_write, gather_write_in_order, in_order, owner_grad, refresh, write_cast)
 
 
 class GatherInto(nn.Cell):
@@ -51,11 +50,11 @@ class GatherInto(nn.Cell):
         elif self.per_tensor:
             done = MAP(ops.partial(gather_write, after), self.gathers, self.fulls, self.shards)
         elif self.ordered:
-            done = MAP_TUPLES(ops.partial(gather_unit_in_order, after, self.token, self.fulls, self.shards),
-                              self.gathers, self.positions, self.buckets)
+            done = MAP(ops.partial(gather_unit_in_order, after, self.token, self.fulls, self.shards), self.gathers,
+                       self.positions, self.buckets)
         else:
-            done = MAP_TUPLES(ops.partial(gather_unit, after, self.fulls, self.shards), self.gathers,
-                              self.positions, self.buckets)
+            done = MAP(ops.partial(gather_unit, after, self.fulls, self.shards), self.gathers, self.positions,
+                       self.buckets)
         return ops.depend(after, done)
 
 
@@ -84,8 +83,8 @@ class _OwnerBroadcast(nn.Cell):
     def construct(self, after):
         # after the previous collective (``token``): a non-owner's input does not depend on the update, and
         # inside the update's branch ``after`` is a constant, so nothing else orders it
-        values = MAP_TUPLES(ops.partial(broadcast_input, in_order(self.token, after), self.sharded), self.mine,
-                            self.shapes, self.sources, self.helds)
+        values = MAP(ops.partial(broadcast_input, in_order(self.token, after), self.sharded), self.mine,
+                     self.shapes, self.sources, self.helds)
         out = self.op(values, self.bucket)
         done = MAP(ops.partial(broadcast_write, self.op_rank, self.op_size, self.sharded), self.paddings, self.helds,
                    out)
@@ -168,5 +167,5 @@ class OwnerGradients(nn.Cell):
         self.stand_ins = tuple(placeholder_shape(ps.spec.shape, ps.spec.shape) for ps in state.params)
 
     def construct(self, grads):
-        return MAP_TUPLES(ops.partial(owner_grad, self.token), self.gathers, grads, self.kinds, self.numels,
-                          self.shapes, self.stand_ins)
+        return MAP(ops.partial(owner_grad, self.token), self.gathers, grads, self.kinds, self.numels, self.shapes,
+                   self.stand_ins)
