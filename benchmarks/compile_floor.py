@@ -1,7 +1,8 @@
 """The compile a stage-1 step cannot avoid in MindSpore graph mode: a MindSpore-only reproduction beside mindzero.
 
     .venv/bin/python benchmarks/compile_floor.py [--repeats 5] [--configs dp,floor,mz1,...] [--nodes]
-        [--dim 512 --layers 6 --heads 8 --vocab 512 --seq 64] [--baseline DIR] [--out runs/compile_floor]
+        [--dim 512 --layers 6 --heads 8 --vocab 512 --seq 64] [--baseline DIR] [--env KEY=VALUE]
+        [--out runs/compile_floor]
 
 Every configuration compiles the train step of the example GPT (fp32 ``nn.AdamWeightDecay``) with ``Cell.compile``
 in a fresh process, as rank 0 of 2 played in one process (no communication: where a collective would be, the
@@ -29,12 +30,17 @@ all-gather of two equal shards, as :func:`mindzero.comm.groups.rehearse` does). 
 ``--baseline DIR``: a checkout of another commit (``git worktree add DIR <commit>``): each ``mz`` configuration is
 also compiled from that tree's mindzero (as ``mz3@baseline``), interleaved with this tree's.
 
+``--env KEY=VALUE`` (repeatable): every configuration is also compiled with these variables set in its process (as
+``mz3+env``), interleaved, and without them otherwise (a value the caller's environment holds is removed from the
+others): for example glibc's allocator settings, ``GLIBC_TUNABLES``.
+
 Prints per configuration the median compile (wall and CPU time of the process) and their ratios to ``dp``'s, and the
 graph's size (nodes of the validated graph, with ``--nodes``; costs a second compile per configuration). Writes
 ``results.json`` and ``results.md`` under ``--out``. Needs the machine alone: the figures are seconds.
 """
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -256,6 +262,7 @@ def one(config: str, a) -> dict:
     """Compile ``config``'s step once in this process; with ``--nodes`` count the validated graph's nodes."""
     import contextlib
     import re
+    import resource
     import tempfile
 
     from tests.support.graphs import last_graph, saved_graphs
@@ -266,6 +273,7 @@ def one(config: str, a) -> dict:
         t, cpu = time.perf_counter(), time.process_time()
         step.compile(tokens, tokens)
         out = {"compile_s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu}
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the process's, this far
     if config.startswith("mz"):
         out["mindzero"] = str(Path(sys.modules["mindzero"].__file__).parents[1])
     if folder:
@@ -279,6 +287,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--nodes", action="store_true", help="also count the validated graph's nodes")
     ap.add_argument("--baseline", help="a checkout of another commit: its mindzero compiled beside this tree's")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="also compile every configuration with KEY=VALUE in its environment (rows <config>+env)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--tree", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="runs/compile_floor")
@@ -295,15 +305,25 @@ def main(argv=None):
     if unknown:
         ap.error(f"--configs: unknown {unknown}; choose from {','.join(CONFIGS)}")
     shape = [f"--{k}={getattr(a, k)}" for k in SHAPE]
-    jobs = [(c, c, ROOT) for c in configs]  # (row, config, the tree whose mindzero it imports)
+    extra = {}
+    for item in a.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--env {item!r}: expected KEY=VALUE")
+        extra[key] = value
+    plain = {k: v for k, v in os.environ.items() if k not in extra}
+    # (row, config, the tree whose mindzero it imports, the process's environment)
+    jobs = [(c, c, ROOT, plain) for c in configs]
     if a.baseline:
-        jobs += [(c + "@baseline", c, Path(a.baseline).resolve()) for c in configs if c.startswith("mz")]
-    runs = {row: [] for row, _, _ in jobs}
+        jobs += [(c + "@baseline", c, Path(a.baseline).resolve(), plain) for c in configs if c.startswith("mz")]
+    if extra:
+        jobs += [(row + "+env", c, tree, {**plain, **extra}) for row, c, tree, _ in jobs]
+    runs = {row: [] for row, _, _, _ in jobs}
     for r in range(a.repeats):
-        for row, c, tree in jobs:
+        for row, c, tree, env in jobs:
             cmd = [sys.executable, __file__, "--one", c, "--tree", str(tree), *shape] + \
                 (["--nodes"] if a.nodes and r == 0 else [])
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
             if done.returncode:
                 sys.exit(f"{row}: exit {done.returncode}\n{done.stderr[-3000:]}")
             runs[row].append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -315,24 +335,26 @@ def main(argv=None):
         times = [x["compile_s"] for x in runs[c]]
         row = dict(config=c, compile_s=statistics.median(times), runs=times,
                    cpu_s=statistics.median(x["cpu_s"] for x in runs[c]),
+                   peak_rss_mib=statistics.median(x["peak_rss_mib"] for x in runs[c]),
                    nodes=next((x["nodes"] for x in runs[c] if "nodes" in x), None))
         row["vs_dp"] = row["compile_s"] / dp if dp else None
         row["cpu_vs_dp"] = row["cpu_s"] / dp_cpu if dp else None
         rows.append(row)
-    lines = ["| config | compile s (median) | vs plain DP | CPU s (median) | CPU vs plain DP | validated graph nodes | "
-             "every compile s |", "|---|---|---|---|---|---|---|"]
+    lines = ["| config | compile s (median) | vs plain DP | CPU s (median) | CPU vs plain DP | peak RSS MiB (median) | "
+             "validated graph nodes | every compile s |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         ratio = f"{row['vs_dp']:.2f}x" if row["vs_dp"] else ""
         cpu_ratio = f"{row['cpu_vs_dp']:.2f}x" if row["cpu_vs_dp"] else ""
         lines.append(f"| {row['config']} | {row['compile_s']:.2f} | {ratio} | {row['cpu_s']:.2f} | {cpu_ratio} | "
-                     f"{row['nodes'] or ''} | " + ", ".join(f"{t:.2f}" for t in row["runs"]) + " |")
+                     f"{row['peak_rss_mib']:.0f} | {row['nodes'] or ''} | "
+                     + ", ".join(f"{t:.2f}" for t in row["runs"]) + " |")
     table = "\n".join(lines)
     print(table)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "benchmarks/compile_floor.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "results.json").write_text(json.dumps(dict(command=command, shape={k: getattr(a, k) for k in SHAPE},
-                                                      rows=rows), indent=1))
+                                                      env=extra, rows=rows), indent=1))
     (out / "results.md").write_text(f"`{command}`\n\n{table}\n")
 
 

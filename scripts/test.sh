@@ -9,11 +9,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-# glibc's allocator tuned for compiling: a step's compile spends about a tenth of its time in malloc and free; with
-# a per-thread cache of up to 65535 freed chunks of each size and no fastbins, a stage-3 step compiles about a tenth
-# faster, for 8% more peak memory (docs/performance.md). The test processes and the ranks they launch inherit it;
-# a value already set wins.
-export GLIBC_TUNABLES="${GLIBC_TUNABLES:-glibc.malloc.mxfast=0:glibc.malloc.tcache_count=65535}"
 PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15)
 for arg in "$@"; do
   if [[ "$arg" == tests* ]]; then
