@@ -28,7 +28,9 @@ LAUNCH = Launch("out", lambda n, full: [], ranks=2)
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.full)], ids=["2ranks", "4ranks"])
 def out(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"optimizers{request.param}")
-    msrun(WORKERS / "worker_optimizers.py", request.param, out, worker_args(request.config), timeout=1800)
+    # 4 ranks alone take about 15 minutes, and scripts/test.sh runs another module beside them
+    msrun(WORKERS / "worker_optimizers.py", request.param, out, worker_args(request.config),
+          timeout=900 * request.param)
     return request.param, out, full_tier(request.config)
 
 
@@ -105,7 +107,8 @@ def test_the_users_network_stays_the_users(out):
                     np.testing.assert_array_equal(got["saved"][name], value, err_msg=f"{kind} {stage} {name} saved")
                 np.testing.assert_array_equal(got["losses"], dp["losses"], err_msg=f"{kind} {stage} losses")
                 for name, value in dp["final"].items():
-                    np.testing.assert_array_equal(got["final"][name], value, err_msg=f"{kind} {stage} {name} after load")
+                    np.testing.assert_array_equal(got["final"][name], value,
+                                                  err_msg=f"{kind} {stage} {name} after load")
 
 
 def test_owner_mode_under_lazy_init_trains_as_an_eager_build(out):
