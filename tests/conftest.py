@@ -45,8 +45,20 @@ def _module_rank(item) -> int:
 
 class InOrder(LoadFileScheduling):
     """pytest-xdist's ``loadfile`` (one module per worker at a time), handing out the modules in collection order
-    (:data:`LONGEST_FIRST`) instead of xdist's order, by number of tests: a multi-rank module is a few tests behind
-    one long launch, and would otherwise start last."""
+    (:data:`LONGEST_FIRST`) instead of xdist's order, by number of tests (a multi-rank module is a few tests behind
+    one long launch, and would otherwise start last), and to a worker only when it is down to its last test (the
+    one a worker holds back until it knows the next): xdist's own threshold, two tests, queues every module of two
+    or three tests behind whichever worker asks first, which left one worker idle while the other still had modules
+    queued."""
+
+    def _reschedule(self, node):
+        if node.shutting_down:
+            return
+        if not self.workqueue:
+            node.shutdown()
+            return
+        if self._pending_of(self.assigned_work[node]) <= 1:
+            self._assign_work_unit(node)
 
     def _assign_work_unit(self, node):
         if not getattr(self, "_ordered", False):
