@@ -4,9 +4,8 @@
 # docs/testing.md). Other arguments go to pytest; with a path among them (`bash scripts/test.sh tests/unit`), pytest
 # runs just that.
 #
-# Without a path: every module on two pytest-xdist workers, one module per worker at a time (a module's launches
-# share its fixtures), the longest first (tests/conftest.py). A launch alone leaves the cores idle about half of
-# the time it takes (starting and ending its processes); a second module beside it fills them.
+# Without a path: the multi-rank launches first (each keeps both cores busy with its ranks), then the one-process
+# and pure tests two at a time (pytest-xdist, one module per worker: each test compiles on one core).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -16,4 +15,7 @@ for arg in "$@"; do
     exec "${PYTEST[@]}" "$@"
   fi
 done
-exec "${PYTEST[@]}" -n 2 --dist loadfile tests/multirank tests/single tests/unit "$@"
+status=0
+"${PYTEST[@]}" tests/multirank "$@" || status=$?
+"${PYTEST[@]}" -n 2 --dist loadfile tests/single tests/unit "$@" || status=$((status ? status : $?))
+exit "$status"

@@ -28,9 +28,7 @@ LAUNCH = Launch("out", lambda n, full: [], ranks=2)
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.full)], ids=["2ranks", "4ranks"])
 def out(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"optimizers{request.param}")
-    # 4 ranks alone take about 15 minutes, and scripts/test.sh runs another module beside them
-    msrun(WORKERS / "worker_optimizers.py", request.param, out, worker_args(request.config),
-          timeout=900 * request.param)
+    msrun(WORKERS / "worker_optimizers.py", request.param, out, worker_args(request.config), timeout=1800)
     return request.param, out, full_tier(request.config)
 
 

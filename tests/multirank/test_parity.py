@@ -34,8 +34,7 @@ scenarios = pytest.mark.scenarios
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.full)], ids=["2ranks", "4ranks"])
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"parity{request.param}")
-    # 4 ranks alone take about 15 minutes, and scripts/test.sh runs another module beside them
-    msrun(WORKERS / "worker_parity.py", request.param, out, worker_args(request.config), timeout=900 * request.param)
+    msrun(WORKERS / "worker_parity.py", request.param, out, worker_args(request.config), timeout=1800)
     return request.param, Results(out, parity_scenarios(request.param, full_tier(request.config)))
 
 
