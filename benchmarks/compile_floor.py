@@ -25,7 +25,11 @@ all-gather of two equal shards, as :func:`mindzero.comm.groups.rehearse` does). 
   for recompute so backward gathers again; the optimizer over the shards. ``floor3-keep``: without the recompute;
   ``floor3-finite``: with the overflow check;
 * ``mz0`` / ``mz1`` / ``mz3``: ``mindzero.prepare_train_network`` at stage 0 / 1 / 3 (its defaults), rehearsed the
-  same way.
+  same way;
+* ``mz3-nopersist`` / ``mz3-nocheck`` / ``mz3-nomean`` / ``mz3-bare``: ``mz3`` with a part taken out, to price it:
+  the small parameters kept whole (``stage3_param_persistence_threshold=0``) / the overflow check / the multiply
+  that makes the gradient sums means / all three (the last three are patched into the process's mindzero: steps
+  that no longer train right).
 
 ``--baseline DIR``: a checkout of another commit (``git worktree add DIR <commit>``): each ``mz`` configuration is
 also compiled from that tree's mindzero (as ``mz3@baseline``), interleaved with this tree's.
@@ -50,7 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this tree's mindzero, not an installed one
 CONFIGS = ("dp", "floor", "floor-no-refresh", "floor-no-writeback", "floor-bare", "floor-finite", "mz0", "mz1",
-           "floor3", "floor3-keep", "floor3-finite", "mz3")
+           "floor3", "floor3-keep", "floor3-finite", "mz3", "mz3-nopersist", "mz3-nocheck", "mz3-nomean", "mz3-bare")
 SHAPE = dict(dim=512, layers=6, heads=8, vocab=512, seq=64)
 
 
@@ -67,6 +71,37 @@ def _finite_check():
         return reduce_all(is_finite(g))
 
     return finite, reduce_all
+
+
+def _ablate(parts) -> dict:
+    """The ``mz3-...`` ablations: mindzero's stage-3 step with parts of it taken out, to price each part's compile.
+    ``nopersist``: an option (``stage3_param_persistence_threshold=0``: every parameter gathered, no fused
+    all-reduce of the small ones; a step that trains right); ``nocheck``: no overflow check (the update always
+    runs); ``nomean``: the reduced gradients not multiplied into means (steps that no longer train right, patched
+    into this process's mindzero); ``bare``: all three. Returns ``prepare_train_network``'s options."""
+    import mindspore as ms
+    from mindspore import ops
+
+    from mindzero.engine import train_step
+
+    parts = {"nocheck", "nomean", "nopersist"} if parts == ["bare"] else set(parts)
+    options = {"stage3_param_persistence_threshold": 0} if "nopersist" in parts else {}
+    if "nomean" in parts:
+        reduction_init = train_step.Reduction.__init__
+
+        def unscaled(self, n, units, world, scale=False, widen=False):
+            reduction_init(self, n, units, world, False, widen)
+
+        train_step.Reduction.__init__ = unscaled
+    if "nocheck" in parts:
+        def unchecked(self, grads, scale):
+            inv = ops.reciprocal(ops.cast(scale, ms.float32) * (self.accum_steps * self.world_size))
+            grads = self.boundary(grads, inv)
+            overflow = self._update(grads, ops.zeros((), ms.bool_))
+            return self.states.settle(self._skipped(overflow), overflow), grads
+
+        train_step.ZeroTrainOneStepCell._apply = unchecked
+    return options
 
 
 def build(config: str, a):
@@ -91,9 +126,11 @@ def build(config: str, a):
         import mindzero
         from mindzero.comm.groups import rehearse
 
+        stage, *parts = config[2:].split("-")
+        options = _ablate(parts)
         with rehearse(2):
             step = mindzero.prepare_train_network(net, nn.AdamWeightDecay(net.trainable_params(), 1e-3),
-                                                  zero_stage=int(config[2:]))
+                                                  zero_stage=int(stage), **options)
         return step, tokens
 
     ranks, rank = 2, 0

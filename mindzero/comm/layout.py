@@ -11,9 +11,11 @@ from mindspore import ops
 
 MAP = ops.Map()
 
-#: ``SLICE(x, begin, end, strides)``: the slicing primitive, called directly in graph code: Tensor indexing
-#: (``x[a:b]``) is parsed into several function graphs per call site, and so is a Python helper wrapping it
-SLICE = ops.StridedSlice()
+# Slices in graph code are written as Tensor indexing (``x[a:b]``), inline: MindSpore builds the ``StridedSlice``
+# from it in C++ (a meta graph), where a call of an ``ops.StridedSlice()`` instance goes through the primitive's
+# argument conversion at every call site and takes about twice as long to compile (51 slices of one flat tensor:
+# 2.2 s against 1.3 s, type inference most of it; docs/performance.md). A Python helper wrapping the indexing would
+# be parsed once more per call site.
 
 
 class _TupleItem(type(ops.tuple_getitem)):
@@ -41,7 +43,7 @@ def own_shard(flat, padding: int, op_rank: int, op_size: int):
     if op_size == 1:
         return flat
     size = flat.shape[0] // op_size
-    return SLICE(flat, (op_rank * size,), ((op_rank + 1) * size,), (1,))
+    return flat[op_rank * size:(op_rank + 1) * size]
 
 
 # --- tuples and buckets ------------------------------------------------------------------------------------
@@ -76,7 +78,7 @@ def _flat_item(values, i):
 @own_part.register("Tensor", "Number", "Number", "Number", "Number", "Number")
 def _own_part(flat, op_rank, op_size, offset, numel, padding):
     """This rank's padded shard of the tensor at ``[offset, offset + numel)`` of a concatenation."""
-    return own_shard(SLICE(flat, (offset,), (offset + numel,), (1,)), padding, op_rank, op_size)
+    return own_shard(flat[offset:offset + numel], padding, op_rank, op_size)
 
 
 @as_rows.register("Number", "Tensor", "Number")
@@ -89,15 +91,14 @@ def _as_rows(op_size, x, padding):
 def _piece(x, offset, size):
     """``x[offset:offset + size]`` of a 1D ``x``: one member of a fused bucket's concatenation. Mapped over the
     members (``ops.split`` with many sections unrolled recursively in MindSpore 2.10's graph mode: a bucket of 115
-    tensors passed its call-depth limit of 1000). The primitive, not ``x[a:b]``: Tensor indexing is parsed into
-    several graphs per call."""
-    return SLICE(x, (offset,), (offset + size,), (1,))
+    tensors passed its call-depth limit of 1000)."""
+    return x[offset:offset + size]
 
 
 @column.register("Tensor", "Number", "Number")
 def _column(x, offset, size):
     """Columns ``[offset, offset + size)`` of a 2D ``x``, flat."""
-    return SLICE(x, (0, offset), (x.shape[0], offset + size), (1, 1)).reshape((-1,))
+    return x[:, offset:offset + size].reshape((-1,))
 
 
 @reshape_as.register("Tensor", "Tensor")

@@ -17,7 +17,7 @@ from mindspore import nn, ops
 from mindspore.ops._grad_experimental.grad_base import bprop_getters
 from mindspore.ops.operations.other_ops import StopGradient
 
-from .layout import SLICE, own_shard
+from .layout import own_shard
 
 
 class ShardGather(ops.AllGather):
@@ -160,7 +160,7 @@ def sum_then_slice_bprop(backend, numel, padding, reduce_dtype, select):
         if select is not None:  # this op group's rows (the others are zero: the forward dropped them)
             grad = ops.gather(grad.reshape((rows, -1)), select, 0).reshape((-1,))
         if padding:
-            grad = SLICE(grad, (0,), (numel,), (1,))
+            grad = grad[:numel]
         return (as_shard_dtype(own_shard(total(grad), padding, op_rank, op_size), x),)
 
     return bprop

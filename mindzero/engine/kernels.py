@@ -15,7 +15,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import ops
 
-from ..comm.layout import GETITEM, MAP, SLICE, own_shard, pick
+from ..comm.layout import GETITEM, MAP, own_shard, pick
 from ..core.state import OWN_SLICE, REPLICATED
 
 #: primitives called directly in graph code (Tensor methods such as ``.all()`` are parsed into a graph per call site)
@@ -78,7 +78,7 @@ def _route_piece(values, factor, scale_it, widen, where):
     ``[offset, offset + numel)`` of the flat sum ``values[j]``, in its shape, scaled (one kernel call a member:
     cut, reshape and scale together)."""
     j, offset, numel, shape = where
-    piece = SLICE(GETITEM(values, j), (offset,), (offset + numel,), (1,))
+    piece = GETITEM(values, j)[offset:offset + numel]
     return _scaled(piece.reshape(shape), factor, scale_it, widen)
 
 
@@ -186,7 +186,7 @@ def _gather_write_in_order(after, token, gather, full, shard):
 def _write_gathered(held, value):
     """``held := value`` (the gathered padded flat tensor) without its padding, in ``held``'s shape."""
     if value.shape[0] != held.size:
-        value = SLICE(value, (0,), (held.size,), (1,))
+        value = value[:held.size]
     return ops.assign(held, value.reshape(held.shape))
 
 
@@ -215,7 +215,7 @@ def _owner_grad(token, gather, g, kind, numel, shape, stand_in):
     full = after_collective(token, gather(in_order(token, g)))
     if kind == 1:
         if full.shape[0] != numel:
-            full = SLICE(full, (0,), (numel,), (1,))
+            full = full[:numel]
         return full.reshape(shape)
     return ops.depend(ops.zeros(stand_in, g.dtype), full)
 
