@@ -8,7 +8,8 @@ Every configuration compiles the train step of the example GPT (fp32 ``nn.AdamWe
 in a fresh process, as rank 0 of 2 played in one process (no communication: where a collective would be, the
 operation a rank's graph holds in its place: the identity for the gradient's all-reduce, ``Tile`` for the
 all-gather of two equal shards, as :func:`mindzero.comm.groups.rehearse` does). Configurations, launched round-robin
-``--repeats`` times so that the machine's drift falls on all of them alike:
+``--repeats`` times so that the machine's drift falls on all of them alike (without ``--configs``: all but the
+``mz3-...`` ablations and the ``cut-...`` graphs):
 
 * ``dp``: ``nn.TrainOneStepCell`` (plain data parallel's step);
 * ``floor``: written with MindSpore alone, the least a ZeRO stage-1 step adds to it: each gradient cut to this
@@ -29,7 +30,9 @@ all-gather of two equal shards, as :func:`mindzero.comm.groups.rehearse` does). 
 * ``mz3-nopersist`` / ``mz3-nocheck`` / ``mz3-nomean`` / ``mz3-bare``: ``mz3`` with a part taken out, to price it:
   the small parameters kept whole (``stage3_param_persistence_threshold=0``) / the overflow check / the multiply
   that makes the gradient sums means / all three (the last three are patched into the process's mindzero: steps
-  that no longer train right).
+  that no longer train right);
+* ``cut-primitive`` / ``cut-index``: not a step: 51 pieces cut out of one flat tensor, by a call of an
+  ``ops.StridedSlice()`` instance / by Tensor indexing, to price the two ways of writing a slice in graph code.
 
 ``--baseline DIR``: a checkout of another commit (``git worktree add DIR <commit>``): each ``mz`` configuration is
 also compiled from that tree's mindzero (as ``mz3@baseline``), interleaved with this tree's.
@@ -53,8 +56,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this tree's mindzero, not an installed one
-CONFIGS = ("dp", "floor", "floor-no-refresh", "floor-no-writeback", "floor-bare", "floor-finite", "mz0", "mz1",
-           "floor3", "floor3-keep", "floor3-finite", "mz3", "mz3-nopersist", "mz3-nocheck", "mz3-nomean", "mz3-bare")
+DEFAULT_CONFIGS = ("dp", "floor", "floor-no-refresh", "floor-no-writeback", "floor-bare", "floor-finite", "mz0", "mz1",
+                   "floor3", "floor3-keep", "floor3-finite", "mz3")
+CONFIGS = DEFAULT_CONFIGS + ("mz3-nopersist", "mz3-nocheck", "mz3-nomean", "mz3-bare", "cut-primitive", "cut-index")
 SHAPE = dict(dim=512, layers=6, heads=8, vocab=512, seq=64)
 
 
@@ -120,6 +124,8 @@ def build(config: str, a):
     tokens = Tensor(np.random.RandomState(0).randint(0, a.vocab, (2, a.seq)).astype(np.int32))
     if config == "dp":
         return nn.TrainOneStepCell(net, nn.AdamWeightDecay(net.trainable_params(), 1e-3)), tokens
+    if config.startswith("cut-"):
+        return _cuts(config)
     if config.startswith("floor3"):
         return _floor3(net, config), tokens
     if config.startswith("mz"):
@@ -202,6 +208,38 @@ def build(config: str, a):
             return ops.depend(loss, self.update(grads))
 
     return FloorStep(), tokens
+
+
+def _cuts(config: str):
+    """``cut-primitive`` / ``cut-index``: a graph of nothing but 51 pieces cut out of one flat tensor and reshaped (as
+    stage 3 cuts its small parameters' gradients out of their fused all-reduce), each piece by a call of an
+    ``ops.StridedSlice()`` instance / by Tensor indexing (``flat[a:b]``). The same ``StridedSlice`` nodes either way;
+    what differs is MindSpore's front end. Returns the Cell and its input (given twice, like the steps' tokens)."""
+    import numpy as np
+    from mindspore import Tensor, nn, ops
+
+    sizes = [512 * (1 + i % 4) for i in range(51)]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    where = tuple((o, n, (n // 512, 512)) for o, n in zip(offsets, sizes))
+    strided_slice = ops.StridedSlice()
+    cut = ops.MultitypeFuncGraph("compile_floor_cut")
+
+    if config == "cut-primitive":
+        @cut.register("Tensor", "Tuple")
+        def _cut(flat, piece):
+            offset, numel, shape = piece
+            return strided_slice(flat, (offset,), (offset + numel,), (1,)).reshape(shape)
+    else:
+        @cut.register("Tensor", "Tuple")
+        def _cut(flat, piece):
+            offset, numel, shape = piece
+            return flat[offset:offset + numel].reshape(shape)
+
+    class Cuts(nn.Cell):
+        def construct(self, flat, unused):
+            return ops.Map()(ops.partial(cut, flat), where)
+
+    return Cuts(), Tensor(np.arange(sum(sizes), dtype=np.float32))
 
 
 def _floor3(net, config: str):
@@ -320,7 +358,7 @@ def one(config: str, a) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--nodes", action="store_true", help="also count the validated graph's nodes")
     ap.add_argument("--baseline", help="a checkout of another commit: its mindzero compiled beside this tree's")

@@ -13,9 +13,9 @@ MAP = ops.Map()
 
 # Slices in graph code are written as Tensor indexing (``x[a:b]``), inline: MindSpore builds the ``StridedSlice``
 # from it in C++ (a meta graph), where a call of an ``ops.StridedSlice()`` instance goes through the primitive's
-# argument conversion at every call site and takes about twice as long to compile (51 slices of one flat tensor:
-# 2.2 s against 1.3 s, type inference most of it; docs/performance.md). A Python helper wrapping the indexing would
-# be parsed once more per call site.
+# argument conversion at every call site and takes about 1.7 times as long to compile, type inference most of it
+# (benchmarks/compile_floor.py's cut-primitive and cut-index; docs/performance.md). A Python helper wrapping the
+# indexing would be parsed once more per call site.
 
 
 class _TupleItem(type(ops.tuple_getitem)):
