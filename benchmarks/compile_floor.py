@@ -119,13 +119,13 @@ def build(config: str, a):
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
+    if config.startswith("cut-"):  # not a step: no network to build
+        return _cuts(config)
     net = LMLoss(GPT(a.vocab, a.dim, a.layers, a.heads, a.seq))
     init_params(net)
     tokens = Tensor(np.random.RandomState(0).randint(0, a.vocab, (2, a.seq)).astype(np.int32))
     if config == "dp":
         return nn.TrainOneStepCell(net, nn.AdamWeightDecay(net.trainable_params(), 1e-3)), tokens
-    if config.startswith("cut-"):
-        return _cuts(config)
     if config.startswith("floor3"):
         return _floor3(net, config), tokens
     if config.startswith("mz"):
