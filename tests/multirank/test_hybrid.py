@@ -12,7 +12,7 @@ from mindzero.checkpoint.tensor_io import open_reader
 from mindzero.launch.local import msrun
 from tests.support.compare import LOSS_NOISE, ON_CPU, RTOL_FP16, Results, assert_same_run, rel_err
 from tests.support.models import PARITY_MODELS
-from tests.support.scenarios import hybrid_scenarios
+from tests.support.scenarios import HYBRID_FP16, HYBRID_PERSISTS, HYBRID_UNITS, hybrid_scenarios
 from tests.support.tier import Launch, full_tier, worker_args
 
 from . import WORKERS
@@ -65,24 +65,28 @@ def test_owner_mode_inside_op_groups_equals_plain_data_parallel(res, stage):
         assert_same_run(res.load(r, f"came-h{stage}"), res.load(r, "came-dp"), f"came hybrid stage {stage}, rank {r}")
 
 
-def test_hybrid_gather_units_equal_per_parameter_gathers(res):
+@scenarios(lambda name, ref: [name, ref])
+@pytest.mark.parametrize("name, ref", HYBRID_UNITS)
+def test_hybrid_gather_units_equal_per_parameter_gathers(res, name, ref):
     """gather_units under hybrid sharding (CPU: the world all-gather of a unit, the op group's rows kept) trains
     bit for bit as gathering each parameter alone."""
     for r in range(N):
-        assert_same_run(res.load(r, "units-h3"), res.load(r, "gpt-h3"), f"units-h3 vs gpt-h3 rank {r}", rtol=0.0,
+        assert_same_run(res.load(r, name), res.load(r, ref), f"{name} vs {ref} rank {r}", rtol=0.0,
                         loss_rtol=LOSS_NOISE)
 
 
-def test_hybrid_persistence_threshold_equals_plain_data_parallel(res):
+@scenarios(lambda name, sharded, dp: [name, sharded, dp])
+@pytest.mark.parametrize("name, sharded, dp", HYBRID_PERSISTS)
+def test_hybrid_persistence_threshold_equals_plain_data_parallel(res, name, sharded, dp):
     """stage3_param_persistence_threshold under hybrid sharding: the kept parameters' gradients all-reduced over the
     world (as plain DP does), the rest sharded in the op groups. Against plain DP and the run that shards
-    everything, within the parity bar: measured 1 ulp (1.5e-8) from the latter, whose sharded gradients of the same
-    parameters are summed by the op group's and the replicas' reductions (on CPU emulated over the world), the same
-    sum in another order."""
+    everything, within the parity bar: measured 1 ulp (1.5e-8) from the latter on the GPT, whose sharded gradients
+    of the same parameters are summed by the op group's and the replicas' reductions (on CPU emulated over the
+    world), the same sum in another order."""
     for r in range(N):
-        got = res.load(r, "persist-h3")
-        assert_same_run(got, res.load(r, "gpt-dp"), f"persist-h3 vs plain DP rank {r}")
-        assert_same_run(got, res.load(r, "gpt-h3"), f"persist-h3 vs gpt-h3 rank {r}")
+        got = res.load(r, name)
+        assert_same_run(got, res.load(r, dp), f"{name} vs plain DP rank {r}")
+        assert_same_run(got, res.load(r, sharded), f"{name} vs {sharded} rank {r}")
 
 
 def test_every_rank_of_a_hybrid_run_sees_its_own_data(res):
@@ -118,14 +122,15 @@ def test_hybrid_accumulation_equals_plain_data_parallel(res, stage):
             assert rel_err(got[k], dp[k]) <= 1e-5, f"accum stage {stage} {k}: {rel_err(got[k], dp[k]):.2e}"
 
 
-@pytest.mark.parametrize("stage", [3])
-def test_hybrid_mixed_precision_equals_flat_stage0(res, stage):
-    """param_dtype=float16 sharded inside op groups of 2 (fp16 gathers and reductions, fp32 master shards)
-    equals flat stage 0 with the same policy, within fp16 rounding (test_parity.RTOL_FP16)."""
+@scenarios(lambda name, ref: [name, ref])
+@pytest.mark.parametrize("name, ref", HYBRID_FP16)
+def test_hybrid_mixed_precision_equals_flat_stage0(res, name, ref):
+    """param_dtype=float16 at stage 3 sharded inside op groups of 2 (fp16 gathers and reductions, fp32 master
+    shards) equals flat stage 0 with the same policy, within fp16 rounding (test_parity.RTOL_FP16)."""
     for r in range(N):
-        got = res.load(r, f"mp-h{stage}")
+        got = res.load(r, name)
         assert any(k.endswith("@master") for k in got)
-        assert_same_run(got, res.load(r, "mp-flat0"), f"mp hybrid stage {stage} rank {r}", rtol=RTOL_FP16)
+        assert_same_run(got, res.load(r, ref), f"{name} rank {r}", rtol=RTOL_FP16)
 
 
 @scenarios(lambda stage: [f"overflow-h{stage}", "overflow-dp0"])

@@ -262,14 +262,14 @@ def test_prepare_releases_what_it_replaces(run):
             assert c["opt_bytes"] == c["opt_shard_bytes"], (r, key, c)
 
 
-@scenarios(lambda stage: [f"mint-adam-{stage}", "mint-adam-dp", f"mint-sgd-{stage}", "mint-sgd-dp", "mint-sgd-0"])
+@scenarios(lambda stage: [f"mint-adam-{stage}", "mint-adam-dp", f"mint-sgd-{stage}", "mint-sgd-dp"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_mint_optim_equals_reference_loop(run, stage):
     """``mindspore.mint.optim``: Adam (AMSGrad, two groups, weight decay) and SGD (Nesterov, weight decay; K=2
     micro-batches, clipping) at every stage against plain data parallel written with ``value_and_grad`` and
     ``DistributedGradReducer`` (:class:`tests.support.worker.ReferenceStep`). Adam is bit for bit at every stage
     (measured); SGD's run accumulates and clips, which sum in another order (measured 6.7e-8 against the
-    reference, 5.3e-8 between stages), so it is held to the parity bar."""
+    reference), so it is held to the parity bar."""
     n, res = run
     for r in range(n):
         adam, sgd = res.load(r, f"mint-adam-{stage}"), res.load(r, f"mint-sgd-{stage}")
@@ -279,8 +279,6 @@ def test_mint_optim_equals_reference_loop(run, stage):
         for k in (k for k in ref if k.startswith("param/") and not k.endswith("@init")):
             assert rel_err(sgd[k], ref[k]) <= RTOL, f"mint SGD stage {stage} {k}: {rel_err(sgd[k], ref[k]):.2e}"
             assert rel_err(sgd[k], ref[k + "@init"]) > 1e-4, f"mint SGD stage {stage} {k} did not move"
-        if stage:
-            assert_same_run(sgd, res.load(r, "mint-sgd-0"), f"mint SGD stage {stage} vs stage 0 rank {r}")
 
 
 @scenarios(lambda: [f"{model}-dp" for model in MODELS])
@@ -455,7 +453,7 @@ def test_mixed_precision_stage_equals_stage0(run, model, stage):
     and fp32 masters, ``@master``), including a forced fp16 overflow skipped by all ranks (mixed) and frozen
     fp16 weights sharded at stage 3 (lora). At 4 ranks stage 3 only (suite time; stages 1-2 at 4 ranks:
     mp-accum); the default suite's 2-rank launch runs stages 1-2 of the mixed net and stage 3 of the mixed and lora
-    nets (tier "full" rows; the hybrid launch's mp-h3 runs the gpt in fp16 at stage 3)."""
+    nets (the others are tier "full" rows, as is the hybrid launch's gpt in fp16 at stage 3, mp-gpt-h3)."""
     n, res = run
     for r in range(n):
         got, ref = res.load(r, f"mp-{model}-{stage}"), res.load(r, f"mp-{model}-0")

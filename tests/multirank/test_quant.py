@@ -17,17 +17,23 @@ import pytest
 
 from mindzero.launch.local import msrun
 from tests.support.compare import RTOL, load_npz, rel_err
+from tests.support.tier import Launch, worker_args
 
 from . import WORKERS
+from .worker_quant import STEPS, scenarios
 
 N = 2
 QUANT_REL = 1 / 254
 
 
+# a test marked `scenarios` is collected where this launch runs them (tests/support/tier.py)
+LAUNCH = Launch("out", lambda n, full: scenarios(full), ranks=N)
+
+
 @pytest.fixture(scope="module")
-def out(tmp_path_factory):
+def out(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("quant")
-    msrun(WORKERS / "worker_quant.py", N, out, timeout=900)
+    msrun(WORKERS / "worker_quant.py", N, out, worker_args(request.config), timeout=900)
     return out
 
 
@@ -71,16 +77,17 @@ def test_the_packed_cpu_path_equals_the_substituted_gpu_path(out, rank):
         np.testing.assert_array_equal(value, reads_gpu[key], err_msg=key)
 
 
+@pytest.mark.scenarios(lambda run, exact: [run, exact])
 @pytest.mark.parametrize("rank", range(N))
 @pytest.mark.parametrize("run, exact, bound", [("gpt-s3-int8", "gpt-s3", QUANT_REL),
                                                ("gpt-s3-int8-fp16red", "gpt-s3", QUANT_REL),
                                                ("lora-s3-int8", "lora-s3", 0.1)])
 def test_quantized_training_tracks_the_exact_run(out, run, exact, bound, rank):
-    """20 steps: every loss within ``bound`` (relative) of the exact stage-3 run's; the quantized run does
+    """Every step (``STEPS``): its loss within ``bound`` (relative) of the exact stage-3 run's; the quantized run does
     differ (the gathers are quantized); exact stage 3 equals plain data parallel (1e-5, the parity bar: their
     losses were bit-identical in most runs, one step 1 ulp apart in two)."""
     q, e = load(out, run, rank), load(out, exact, rank)
-    assert len(q["losses"]) == 20
+    assert len(q["losses"]) == STEPS
     rel = np.abs(q["losses"] - e["losses"]) / np.abs(e["losses"])
     assert rel.max() <= bound, rel
     assert rel.max() > 0
@@ -88,6 +95,7 @@ def test_quantized_training_tracks_the_exact_run(out, run, exact, bound, rank):
         assert rel_err(e["losses"], load(out, "gpt-dp", rank)["losses"]) <= RTOL
 
 
+@pytest.mark.scenarios(lambda run: [run])
 @pytest.mark.parametrize("rank", range(N))
 @pytest.mark.parametrize("run", ["gpt-s3-int8", "lora-s3-int8", "gpt-s3-int8-fp16red"])
 def test_what_a_quantized_run_stores_is_exact(out, run, rank):

@@ -18,23 +18,39 @@ from . import WORKERS
 MARGIN_MIB = 64  # framework allocations during prepare (the plan check compiles a small graph)
 
 
-# The stages of the eager-vs-lazy comparisons and of the pretrained loads, by world size and tier. Every stage
-# at 2 ranks, but the default suite leaves both at stage 2 to the full tier (stage 2 builds, holds and loads
-# parameters as stage 1 does); at 4 ranks (full tier) the stages that shard something different (optimizer
-# states only; everything), to keep the suite's time.
+# The stages of the eager-vs-lazy comparisons (per model) and of the pretrained loads, by world size and tier.
+# Every stage at 2 ranks in the full tier. The default suite compares MindSpore's initialisers (``lm``) at stages 0,
+# 1 and 3 (stage 2 builds, holds and loads parameters as stage 1 does) and the initialisation kinds of model zoos
+# (``zoo``: a user's initializer, Sparse, set_data, NumPy-made; ``vit``: mindcv's) at stage 3, where the build
+# materialises shards (at stages 0-1 it materialises whole tensors, as ``lm`` checks); ``load_pretrained`` at stages
+# 0 and 3 (stage 1 loads whole parameters as stage 0 does, and the optimizer launch loads the network the plain
+# MindSpore way at stages 0-2). At 4 ranks (full tier) the stages that shard something different (optimizer states
+# only; everything), to keep the suite's time.
 ALL_STAGES = (0, 1, 2, 3)
-STAGES_AT = {(2, True): (ALL_STAGES, ALL_STAGES), (2, False): ((0, 1, 3), (0, 1, 3)), (4, True): ((1, 3), (1, 3))}
-
-
 MODELS = ("lm", "zoo", "vit")
+
+
+def _each(stages) -> dict:
+    return {model: stages for model in MODELS}
+
+
+STAGES_AT = {(2, True): (_each(ALL_STAGES), ALL_STAGES),
+             (2, False): ({"lm": (0, 1, 3), "zoo": (3,), "vit": (3,)}, (0, 3)),
+             (4, True): (_each((1, 3)), (1, 3))}
+
 # a comparison is collected where its launch compares that stage (tests/support/tier.py)
-LAUNCH = Launch("run", lambda n, full: [SimpleNamespace(name=f"{model}-{stage}") for model in MODELS
-                                        for stage in STAGES_AT[n, full][0]]
+LAUNCH = Launch("run", lambda n, full: [SimpleNamespace(name=f"{model}-{stage}") for model, stages
+                                        in STAGES_AT[n, full][0].items() for stage in stages]
                 + [SimpleNamespace(name=f"pretrained-{stage}") for stage in STAGES_AT[n, full][1]])
 
 
 def stages_arg(stages) -> str:
     return ",".join(map(str, stages))
+
+
+def compare_arg(per_model: dict) -> str:
+    """``worker_init.py``'s ``--compare``: ``"lm=0,1,3/zoo=3/vit=3"``."""
+    return "/".join(f"{model}={stages_arg(stages)}" for model, stages in per_model.items())
 
 
 # 4 ranks: the full tier (tests/conftest.py; the default suite keeps 4 ranks in test_launch's 2-node launch,
@@ -44,7 +60,7 @@ def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"init{request.param}")
     compared, pretrained = STAGES_AT[request.param, full_tier(request.config)]
     msrun(WORKERS / "worker_init.py", request.param, out,
-          ["--stages", stages_arg(compared), "--pretrained-stages", stages_arg(pretrained)], timeout=1500)
+          ["--compare", compare_arg(compared), "--pretrained-stages", stages_arg(pretrained)], timeout=1500)
     return request.param, out, compared, pretrained
 
 
@@ -148,7 +164,7 @@ def test_load_pretrained_equals_loading_before_prepare(run, stage):
             for k in eager:
                 np.testing.assert_array_equal(got[k], eager[k], err_msg=f"stage {stage} {kind} rank {r} {k}")
         # the same network with its own random initialisation (equal at every stage: the same seed)
-        ms_init = load(out, r, f"lm-{stage if stage in compared else compared[0]}-eager")
+        ms_init = load(out, r, f"lm-{stage if stage in compared['lm'] else compared['lm'][0]}-eager")
         assert not np.array_equal(eager["init/lm.gpt.blocks.0.fc1.weight"], ms_init["init/lm.gpt.blocks.0.fc1.weight"])
 
 

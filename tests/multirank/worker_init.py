@@ -278,10 +278,18 @@ def stage_list(text: str) -> list:
     return [int(s) for s in text.split(",")]
 
 
+def compare_list(text: str) -> dict:
+    """``"lm=0,1,3/zoo=3"`` -> ``{"lm": [0, 1, 3], "zoo": [3]}``: the stages of each model's comparison."""
+    pairs = (item.split("=") for item in text.split("/"))
+    return {model: stage_list(stages) for model, stages in pairs}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--stages", type=stage_list, default="0,1,2,3", help="stages of the eager-vs-lazy comparisons")
-    ap.add_argument("--pretrained-stages", type=stage_list, default="0,1,2,3", help="stages of the load_pretrained runs")
+    ap.add_argument("--compare", type=compare_list, default="lm=0,1,2,3/zoo=0,1,2,3/vit=0,1,2,3",
+                    help="the stages of each model's eager-vs-lazy comparison")
+    ap.add_argument("--pretrained-stages", type=stage_list, default="0,1,2,3",
+                    help="stages of the load_pretrained runs")
     worker = start(ap)
     world, out_dir = worker.world, worker.rank_dir
     t = time.time()
@@ -304,8 +312,8 @@ def main():
         for kind, arrays in pretrained_runs(stage, files / "gpt.ckpt", world, lazy=stage == 3).items():
             np.savez(out_dir / f"pretrained-{stage}-{kind}.npz", **arrays)
         print(f"pretrained stage {stage}: {time.time() - t:.1f}s", flush=True)
-    for model in ("lm", "zoo", "vit"):
-        for stage in worker.args.stages:
+    for model, stages in worker.args.compare.items():
+        for stage in stages:
             t = time.time()
             for lazy in (False, True):
                 arrays = values_and_training(model, stage, lazy, world)

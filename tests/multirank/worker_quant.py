@@ -7,6 +7,7 @@ Each rank writes ``<out>/rank_<r>/<scenario>.npz`` (losses, final full parameter
 checkpoint merged offline) and ``collective_counts.json`` (PyNative: bytes and calls counted at the
 primitives against the plan).
 """
+import argparse
 import json
 import sys
 import time
@@ -20,7 +21,8 @@ from mindzero.core import quant as Q
 from mindzero.engine.stage3 import GATHER_PREFIX, SHARD_SUFFIX
 from tests.support.data import batch
 from tests.support.models import build, make_optimizer
-from tests.support.scenarios import Scenario
+from tests.support.scenarios import FULL, Scenario, in_tier
+from tests.support.tier import add_worker_flag
 from tests.support.worker import counting_collectives, run, start, tally
 
 STEPS = 20
@@ -29,18 +31,21 @@ QUANT = {"kind": "int8", "block_size": 16, "min_numel": 0}
 FP16_REDUCE = {"reduce_dtype": "float16", "scale_sense": 1024.0}
 
 
-def scenarios():
-    return [
+def scenarios(full_tier: bool = True) -> list:
+    """The launch's runs (without ``full_tier``, the default suite's: int8 gathers with fp16 reduction, whose two
+    parts run alone in gpt-s3-int8 and gpt-s3-fp16red, in the full tier)."""
+    return in_tier([
         Scenario("gpt-dp", "gpt", "sgd", "dp", steps=STEPS),
         Scenario("gpt-s3", "gpt", "sgd", 3, steps=STEPS),
         Scenario("gpt-s3-int8", "gpt", "sgd", 3, {"gather_quantization": QUANT}, steps=STEPS),
         Scenario("gpt-s3-int8-sub", "gpt", "sgd", 3, {"gather_quantization": QUANT}, steps=STEPS, substitute=True),
         Scenario("gpt-s3-fp16red", "gpt", "sgd", 3, dict(FP16_REDUCE), steps=STEPS),
-        Scenario("gpt-s3-int8-fp16red", "gpt", "sgd", 3, {"gather_quantization": QUANT, **FP16_REDUCE}, steps=STEPS),
+        Scenario("gpt-s3-int8-fp16red", "gpt", "sgd", 3, {"gather_quantization": QUANT, **FP16_REDUCE}, steps=STEPS,
+                 tier=FULL),
         Scenario("gpt-s0-fp16red", "gpt", "sgd", 0, dict(FP16_REDUCE), steps=STEPS),
         Scenario("lora-s3", "lora", "adamw", 3, steps=STEPS),
         Scenario("lora-s3-int8", "lora", "adamw", 3, {"gather_quantization": QUANT}, steps=STEPS),
-    ]
+    ], full_tier)
 
 
 class _Read(nn.Cell):
@@ -123,10 +128,12 @@ def count_collectives(world, out_dir):
 
 
 def main():
-    worker = start()
+    ap = argparse.ArgumentParser()
+    add_worker_flag(ap)
+    worker = start(ap)
     world, out_dir = worker.world, worker.rank_dir
     count_collectives(world, out_dir)
-    for scn in scenarios():
+    for scn in scenarios(worker.args.full_tier):
         t = time.time()
         result = run(scn, world)
         arrays = dict(result.arrays)

@@ -120,7 +120,9 @@ PERSISTS = [*(Scenario(f"persist-gpt-{stage}", "gpt", "sgd_decay", stage, PERSIS
 #: each row equals its stage-0 twin (``<name>-0``), plain DP is ``came-dp``
 OWNER_FEATURES = {"came": {}, "came-clip": CLIP, "came-overflow": {"scale_sense": DYNAMIC},
                   "came-accum": {"gradient_accumulation_steps": 4}, "came-mp": FP16, "came-ema": EMA}
-OWNER_DEFAULT = {"came": (2, 3), "came-clip": (3,), "came-overflow": (2,), "came-accum": (2, 3), "came-mp": (3,),
+#: the default suite's stages of each (stage 2 plain: came-overflow-2 and came-accum-2 run its path on the same net, and
+#: the optimizer launch CAME at stage 2 against plain DP)
+OWNER_DEFAULT = {"came": (3,), "came-clip": (3,), "came-overflow": (2,), "came-accum": (2, 3), "came-mp": (3,),
                  "came-ema": (3,)}
 
 
@@ -156,11 +158,11 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
     with mp-mixed-1/2) and of the gpt and normed nets at stage 3 (the mlp's stays), the normed net's altogether
     (tests/single/test_precision.py converts it at stages 0 and 3), fp16 of the gpt and resnet nets at every stage
     and of the lora net at stages 1-2 (mp-mixed and mp-accum keep fp16 at every stage, mp-lora-3 frozen fp16 weights
-    at stage 3, the hybrid launch's mp-h3 the gpt in fp16 at stage 3), the gather_units rows by size, on frozen
+    at stage 3, the hybrid launch's mp-h3 the mixed net in fp16 at stage 3 inside op groups), the gather_units rows by size, on frozen
     weights and with param_dtype (:data:`UNITS`), the persistence threshold below stage 3 (it changes nothing there:
     the parsed option is empty below stage 3, tests/unit/test_persistence.py), EMA at stages 1-2 (mp-accum-1/2 keep
     it), the fused GPU/Ascend path at stages 1-2 (real-fused-3 keeps the fused rows, real-1/2 the stages), the
-    mint.optim rows at stages 1-2 (their stages 0 and 3 stay) and owner mode at stage 1 plain and in fp16 (the
+    mint.optim rows at stages 0-2 (their stage 3 stays, against the plain-DP reference loop) and owner mode at stage 1 plain and in fp16 (the
     optimizer launch runs CAME at stages 1-3, test_checkpoint.py trains and resumes it in fp16 at stage 1).
     """
     full = world_size == 2
@@ -231,9 +233,10 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
     # Adam with AMSGrad and two groups; SGD with Nesterov momentum, accumulation and clipping on the tied GPT (not
     # the awkward net: mint.optim.SGD itself fails to compile on its 0-d parameter, "For 'Assign' ... dimension")
     # (4 ranks: stages 0 and 3, as the other features; stages 1-2, whose flat update is every flat optimizer's,
-    # in the full tier: the optimizer launch runs mint's at stage 3 against plain DP too)
+    # and stage 0, which leaves the optimizer as it is, in the full tier: the optimizer launch runs mint's at stage 3
+    # against plain DP too)
     for stage in ("dp", *some):
-        tier = FULL if stage in (1, 2) else DEFAULT
+        tier = FULL if stage in (0, 1, 2) and full else DEFAULT
         out.append(Scenario(f"mint-adam-{stage}", "mixed", "mint_adam", stage, tier=tier))
         out.append(Scenario(f"mint-sgd-{stage}", "gpt", "mint_sgd", stage,
                             {**CLIP, "gradient_accumulation_steps": 2}, tier=tier))
@@ -248,13 +251,18 @@ HYBRID = {"hybrid_shard_size": 2}
 
 
 #: the hybrid rows of the default suite; the others run in the full tier, each beside a default row of its code path
-#: (the mixed net runs hybrid stages 0-3 and the GPT stage 3; every model runs every stage in the 2-rank parity
-#: launch; clipping, overflow and owner mode keep one hybrid stage each, accumulation stage 3 (stage 2's
-#: reduce-scatter inside the op groups runs in mixed-h2, overflow-h2 and real-h2), the GPU/Ascend path one unfused
-#: and one fused stage)
-HYBRID_DEFAULT = {"mixed-dp", "mixed-h0", "mixed-h1", "mixed-h2", "mixed-h3", "gpt-dp", "gpt-h3", "clip-dp0",
-                  "clip-h3", "overflow-dp0", "overflow-h2", "accum-dp", "accum-h3", "mp-flat0", "mp-h3",
-                  "units-h3", "persist-h3", "came-dp", "came-h3", "real-h2", "real-fused-h3"}
+#: (the mixed net runs hybrid stages 0-3, and stage 3 with gather_units, the persistence threshold and param_dtype;
+#: every model runs every stage in the 2-rank parity launch; clipping, overflow and owner mode keep one hybrid stage
+#: each, accumulation stage 3 (stage 2's reduce-scatter inside the op groups runs in mixed-h2, overflow-h2 and
+#: real-h2), the GPU/Ascend path one unfused and one fused stage; the GPT's rows, which compile about twice as long
+#: on 4 ranks, in the full tier: its tied weights at stage 3 run in the parity launch)
+HYBRID_DEFAULT = {"mixed-dp", "mixed-h0", "mixed-h1", "mixed-h2", "mixed-h3", "clip-dp0", "clip-h3", "overflow-dp0",
+                  "overflow-h2", "accum-dp", "accum-h3", "mp-flat0", "mp-h3", "units-h3", "persist-h3", "came-dp",
+                  "came-h3", "real-h2", "real-fused-h3"}
+#: stage 3's options under hybrid sharding on each net: (scenario, the run it equals, the network's plain-DP run)
+HYBRID_UNITS = (("units-h3", "mixed-h3"), ("units-gpt-h3", "gpt-h3"))
+HYBRID_PERSISTS = (("persist-h3", "mixed-h3", "mixed-dp"), ("persist-gpt-h3", "gpt-h3", "gpt-dp"))
+HYBRID_FP16 = (("mp-h3", "mp-flat0"), ("mp-gpt-h3", "mp-gpt-flat0"))
 
 
 def hybrid_scenarios(full_tier: bool = True) -> list:
@@ -272,13 +280,17 @@ def hybrid_scenarios(full_tier: bool = True) -> list:
     out.append(Scenario("accum-dp", "awkward", "adam", "dp", {"gradient_accumulation_steps": 4}))
     out += [Scenario(f"accum-h{stage}", "awkward", "adam", stage, {**HYBRID, "gradient_accumulation_steps": 4})
             for stage in (2, 3)]
-    out.append(Scenario("mp-flat0", "gpt", "sgd_decay", 0, FP16))
-    out.append(Scenario("mp-h3", "gpt", "sgd_decay", 3, {**HYBRID, **FP16}))  # param_dtype=float16 inside the op groups
-    out.append(Scenario("units-h3", "gpt", "sgd_decay", 3, {**HYBRID, "gather_units": "block"}, reference="gpt-h3"))
+    for net, opt, suffix in (("mixed", "adamw_groups", ""), ("gpt", "sgd_decay", "gpt-")):
+        # param_dtype=float16 inside the op groups, against flat stage 0 with the same policy
+        out.append(Scenario(f"mp-{suffix}flat0", net, opt, 0, FP16))
+        out.append(Scenario(f"mp-{suffix}h3", net, opt, 3, {**HYBRID, **FP16}))
+        units = trainable_bytes(net) // 2 if net == "mixed" else "block"  # two units of the mixed net; the block
+        out.append(Scenario(f"units-{suffix}h3", net, opt, 3, {**HYBRID, "gather_units": units},
+                            reference=f"{net}-h3"))
+        out.append(Scenario(f"persist-{suffix}h3", net, opt, 3, {**HYBRID, **PERSIST}, reference=f"{net}-h3"))
     # owner mode inside the op groups (an owner per op group; the broadcast emulated on CPU): mindone's CAME
     out.append(Scenario("came-dp", "mixed", "came", "dp"))
     out += [Scenario(f"came-h{stage}", "mixed", "came", stage, HYBRID) for stage in (1, 2, 3)]
-    out.append(Scenario("persist-h3", "gpt", "sgd_decay", 3, {**HYBRID, **PERSIST}, reference="gpt-h3"))
     for stage in (1, 2, 3):  # the GPU/Ascend path: op-group ReduceScatter + dp-group AllReduce, CPU-legal
         for fused in (False, True):
             settings = {**HYBRID, **CLIP, **({"comm_fusion": thirds("mixed")} if fused else {})}
