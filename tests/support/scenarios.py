@@ -158,12 +158,14 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
     with mp-mixed-1/2) and of the gpt and normed nets at stage 3 (the mlp's stays), the normed net's altogether
     (tests/single/test_precision.py converts it at stages 0 and 3), fp16 of the gpt and resnet nets at every stage
     and of the lora net at stages 1-2 (mp-mixed and mp-accum keep fp16 at every stage, mp-lora-3 frozen fp16 weights
-    at stage 3, the hybrid launch's mp-h3 the mixed net in fp16 at stage 3 inside op groups), the gather_units rows by size, on frozen
-    weights and with param_dtype (:data:`UNITS`), the persistence threshold below stage 3 (it changes nothing there:
-    the parsed option is empty below stage 3, tests/unit/test_persistence.py), EMA at stages 1-2 (mp-accum-1/2 keep
-    it), the fused GPU/Ascend path at stages 1-2 (real-fused-3 keeps the fused rows, real-1/2 the stages), the
-    mint.optim rows at stages 0-2 (their stage 3 stays, against the plain-DP reference loop) and owner mode at stage 1 plain and in fp16 (the
-    optimizer launch runs CAME at stages 1-3, test_checkpoint.py trains and resumes it in fp16 at stage 1).
+    at stage 3, the hybrid launch's mp-h3 the mixed net in fp16 at stage 3 inside op groups), the gather_units rows
+    by size, on frozen weights and with param_dtype (:data:`UNITS`), the persistence threshold below stage 3 (it
+    changes nothing there: the parsed option is empty below stage 3, tests/unit/test_persistence.py), EMA at stages
+    1-2 (mp-accum-1/2 keep it), the fused GPU/Ascend path at stages 1-2 (real-fused-3 keeps the fused rows, real-1/2
+    the stages), the mint.optim rows at stages 0-2 (their stage 3 stays, against the plain-DP reference loop) and
+    owner mode plain at stages 1-2 and in fp16 at stage 1 (the optimizer launch runs CAME at stages 1-3,
+    came-overflow-2 and came-accum-2 owner mode at stage 2 on the mixed net, test_checkpoint.py trains and resumes
+    it in fp16 at stage 1).
     """
     full = world_size == 2
     some = (0, 1, 2, 3) if full else (0, 3)
