@@ -66,7 +66,7 @@ def test_owner_mode_inside_op_groups_equals_plain_data_parallel(res, stage):
 
 
 @scenarios(lambda name, ref: [name, ref])
-@pytest.mark.parametrize("name, ref", HYBRID_UNITS)
+@pytest.mark.parametrize("name, ref", [(s.name, s.reference) for s in HYBRID_UNITS], ids=[s.name for s in HYBRID_UNITS])
 def test_hybrid_gather_units_equal_per_parameter_gathers(res, name, ref):
     """gather_units under hybrid sharding (CPU: the world all-gather of a unit, the op group's rows kept) trains
     bit for bit as gathering each parameter alone."""
@@ -76,7 +76,8 @@ def test_hybrid_gather_units_equal_per_parameter_gathers(res, name, ref):
 
 
 @scenarios(lambda name, sharded, dp: [name, sharded, dp])
-@pytest.mark.parametrize("name, sharded, dp", HYBRID_PERSISTS)
+@pytest.mark.parametrize("name, sharded, dp", [(s.name, s.reference, f"{s.model}-dp") for s in HYBRID_PERSISTS],
+                         ids=[s.name for s in HYBRID_PERSISTS])
 def test_hybrid_persistence_threshold_equals_plain_data_parallel(res, name, sharded, dp):
     """stage3_param_persistence_threshold under hybrid sharding: the kept parameters' gradients all-reduced over the
     world (as plain DP does), the rest sharded in the op groups. Against plain DP and the run that shards
@@ -123,7 +124,7 @@ def test_hybrid_accumulation_equals_plain_data_parallel(res, stage):
 
 
 @scenarios(lambda name, ref: [name, ref])
-@pytest.mark.parametrize("name, ref", HYBRID_FP16)
+@pytest.mark.parametrize("name, ref", [(s.name, s.reference) for s in HYBRID_FP16], ids=[s.name for s in HYBRID_FP16])
 def test_hybrid_mixed_precision_equals_flat_stage0(res, name, ref):
     """param_dtype=float16 at stage 3 sharded inside op groups of 2 (fp16 gathers and reductions, fp32 master
     shards) equals flat stage 0 with the same policy, within fp16 rounding (test_parity.RTOL_FP16)."""

@@ -261,10 +261,18 @@ HYBRID = {"hybrid_shard_size": 2}
 HYBRID_DEFAULT = {"mixed-dp", "mixed-h0", "mixed-h1", "mixed-h2", "mixed-h3", "clip-dp0", "clip-h3", "overflow-dp0",
                   "overflow-h2", "accum-dp", "accum-h3", "mp-flat0", "mp-h3", "units-h3", "persist-h3", "came-dp",
                   "came-h3", "real-h2", "real-fused-h3"}
-#: stage 3's options under hybrid sharding on each net: (scenario, the run it equals, the network's plain-DP run)
-HYBRID_UNITS = (("units-h3", "mixed-h3"), ("units-gpt-h3", "gpt-h3"))
-HYBRID_PERSISTS = (("persist-h3", "mixed-h3", "mixed-dp"), ("persist-gpt-h3", "gpt-h3", "gpt-dp"))
-HYBRID_FP16 = (("mp-h3", "mp-flat0"), ("mp-gpt-h3", "mp-gpt-flat0"))
+#: the nets stage 3's options run on under hybrid sharding (net, optimizer, the prefix of their rows' names)
+_HYBRID_NETS = (("mixed", "adamw_groups", ""), ("gpt", "sgd_decay", "gpt-"))
+#: stage 3's options under hybrid sharding, each row with the run it equals (``reference``): gather_units (the mixed
+#: net in two units by size, the GPT by its block) and the persistence threshold against the same net's hybrid stage
+#: 3, param_dtype=float16 inside the op groups against flat stage 0 with the same policy (``mp-...flat0``)
+HYBRID_UNITS = [Scenario(f"units-{prefix}h3", net, opt, 3,
+                         {**HYBRID, "gather_units": trainable_bytes(net) // 2 if net == "mixed" else "block"},
+                         reference=f"{net}-h3") for net, opt, prefix in _HYBRID_NETS]
+HYBRID_PERSISTS = [Scenario(f"persist-{prefix}h3", net, opt, 3, {**HYBRID, **PERSIST}, reference=f"{net}-h3")
+                   for net, opt, prefix in _HYBRID_NETS]
+HYBRID_FP16 = [Scenario(f"mp-{prefix}h3", net, opt, 3, {**HYBRID, **FP16}, reference=f"mp-{prefix}flat0")
+               for net, opt, prefix in _HYBRID_NETS]
 
 
 def hybrid_scenarios(full_tier: bool = True) -> list:
@@ -282,14 +290,8 @@ def hybrid_scenarios(full_tier: bool = True) -> list:
     out.append(Scenario("accum-dp", "awkward", "adam", "dp", {"gradient_accumulation_steps": 4}))
     out += [Scenario(f"accum-h{stage}", "awkward", "adam", stage, {**HYBRID, "gradient_accumulation_steps": 4})
             for stage in (2, 3)]
-    for net, opt, suffix in (("mixed", "adamw_groups", ""), ("gpt", "sgd_decay", "gpt-")):
-        # param_dtype=float16 inside the op groups, against flat stage 0 with the same policy
-        out.append(Scenario(f"mp-{suffix}flat0", net, opt, 0, FP16))
-        out.append(Scenario(f"mp-{suffix}h3", net, opt, 3, {**HYBRID, **FP16}))
-        units = trainable_bytes(net) // 2 if net == "mixed" else "block"  # two units of the mixed net; the block
-        out.append(Scenario(f"units-{suffix}h3", net, opt, 3, {**HYBRID, "gather_units": units},
-                            reference=f"{net}-h3"))
-        out.append(Scenario(f"persist-{suffix}h3", net, opt, 3, {**HYBRID, **PERSIST}, reference=f"{net}-h3"))
+    out += [Scenario(f"mp-{prefix}flat0", net, opt, 0, FP16) for net, opt, prefix in _HYBRID_NETS]
+    out += HYBRID_FP16 + HYBRID_UNITS + HYBRID_PERSISTS
     # owner mode inside the op groups (an owner per op group; the broadcast emulated on CPU): mindone's CAME
     out.append(Scenario("came-dp", "mixed", "came", "dp"))
     out += [Scenario(f"came-h{stage}", "mixed", "came", stage, HYBRID) for stage in (1, 2, 3)]
