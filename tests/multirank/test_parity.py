@@ -139,16 +139,17 @@ def test_persistence_threshold_trains_as_sharding_everything(run, name, ref):
     kept whole and all-reduced together train as the run that shards them, bit for bit (the same sums: a CPU
     reduce-scatter is an all-reduce and a slice), at every stage (below 3 it changes nothing), with fp16
     parameters and a forced overflow; clipped, the global norm adds the same squares in another order, so that row
-    is held to the parity bar. At 4 ranks the kept gradients' fused all-reduce sums each element's 4 contributions
-    in an order that depends on its place in the buffer (as ``test_fused_equals_unfused`` measures): 2.9e-9 on the
-    TinyGPT, 1.8e-5 on the clipped mixed net (measured), so 4 ranks are held to that test's 5e-5. At stage 3 the
-    kept parameters are whole on every rank and in the memory report."""
+    is held to the parity bar, its losses too (the clipped updates move them apart over the steps: 8.5e-6 after 10
+    steps on one machine, below 1e-6 on another). At 4 ranks the kept gradients' fused all-reduce sums each
+    element's 4 contributions in an order that depends on its place in the buffer (as ``test_fused_equals_unfused``
+    measures): 2.9e-9 on the TinyGPT, 1.8e-5 on the clipped mixed net (measured), so 4 ranks are held to that test's
+    5e-5. At stage 3 the kept parameters are whole on every rank and in the memory report."""
     n, res = run
     scn = res.scenario(name)
     rtol = 5e-5 if n == 4 else RTOL if "clip" in name else 0.0
     for r in range(n):
         assert_same_run(res.load(r, name), res.load(r, ref), f"{name} vs {ref} rank {r}", rtol=rtol,
-                        loss_rtol=LOSS_NOISE, overflow=scn.force_overflow)
+                        loss_rtol=LOSS_NOISE if "clip" not in name else rtol, overflow=scn.force_overflow)
     if scn.stage == 3:
         mem = res.json(0, "memory.json")
         kept, sharded = mem[name], mem[ref]
@@ -297,15 +298,15 @@ def test_training_moves(run):
         assert losses[-4:].mean() < losses[:4].mean(), (model, losses)
 
 
-@scenarios(lambda: [f"{model}-{stage}" for model in MODELS for stage in (1, 2, 3)])
-def test_parameters_identical_across_ranks(run):
+@scenarios(lambda stage: [f"{model}-{stage}" for model in MODELS])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_parameters_identical_across_ranks(run, stage):
     n, res = run
     for model in MODELS:
-        for stage in (1, 2, 3):
-            a, b = res.load(0, f"{model}-{stage}"), res.load(n - 1, f"{model}-{stage}")
-            for k in a:
-                if k.startswith("param/") and "moving_" not in k:  # BN statistics are per rank, as in DP
-                    np.testing.assert_array_equal(a[k], b[k], err_msg=f"{model} stage {stage} {k}")
+        a, b = res.load(0, f"{model}-{stage}"), res.load(n - 1, f"{model}-{stage}")
+        for k in a:
+            if k.startswith("param/") and "moving_" not in k:  # BN statistics are per rank, as in DP
+                np.testing.assert_array_equal(a[k], b[k], err_msg=f"{model} stage {stage} {k}")
 
 
 @scenarios(lambda stage: [f"clip-{stage}", "clip-0", "mixed-0"])
@@ -365,12 +366,12 @@ def _padding_and_replicated(res, scenario, n, replicated=()):
     return pad, repl
 
 
-@scenarios(lambda: ["lora-dp"] + [f"lora-{stage}" for stage in (0, 1, 2, 3)])
+@scenarios(lambda: ["lora-dp", "lora-0", "lora-1", "lora-3"])
 def test_frozen_weights_are_sharded_at_stage3_and_buffers_keep_counting(run):
     """The adapter network (a frozen embedding and base layers, trainable adapters, a BatchNorm, a step
     counter it writes): at stage 3 a rank holds 1/N of the frozen weights too (the parameters it holds are
     the frozen and trainable shards plus its own buffers); the counter it writes counted every step on every
-    rank at every stage (a buffer is never sharded); the frozen weights did not move."""
+    rank at every stage the launch ran (a buffer is never sharded); the frozen weights did not move."""
     n, res = run
     mem = res.json(0, "memory.json")
     full, sharded = mem["lora-0"]["parameters"], mem["lora-3"]["parameters"]
@@ -378,7 +379,7 @@ def test_frozen_weights_are_sharded_at_stage3_and_buffers_keep_counting(run):
     assert sharded == mem["lora-3"]["expected"]["parameters"]
     assert sharded - buffers <= (full - buffers) / n + 4 * 8 * n, (sharded, full)  # 1/N, up to padding
     init = res.load(0, "lora-dp")
-    for stage in (0, 1, 2, 3):
+    for stage in [s for s in (0, 1, 2, 3) if f"lora-{s}" in res.scenarios]:  # lora-2: the full tier's
         for r in range(n):
             got = res.load(r, f"lora-{stage}")
             assert got["param/steps"].tolist() == [10.0], (stage, r, got["param/steps"])
@@ -420,9 +421,10 @@ def test_memory_report(run, stage):
             assert ak["gradients"] == a0["gradients"]
 
 
-@scenarios(lambda name, accum: [f"{name}-{stage}" for stage in ((1, 2, 3) if accum else (0, 1, 2, 3))])
-@pytest.mark.parametrize("name,accum", [("awkward", False), ("accum", True)])
-def test_measured_memory_agrees_with_estimate(run, name, accum):
+@scenarios(lambda name, stage: [f"{name}-{stage}"])
+@pytest.mark.parametrize("name,accum,stage", [*(("awkward", False, s) for s in (0, 1, 2, 3)),
+                                              *(("accum", True, s) for s in (1, 2, 3))])
+def test_measured_memory_agrees_with_estimate(run, name, accum, stage):
     """memory_report (bytes of the tensors each rank holds) vs estimate_memory before any run, on the
     awkward-shapes net ((7, 15), (17, 257), (1,), scalar: nothing divides evenly): within 1%."""
     from mindzero import estimate_memory
@@ -430,13 +432,11 @@ def test_measured_memory_agrees_with_estimate(run, name, accum):
 
     n, res = run
     net = build("awkward")
+    est = estimate_memory(net, stage, n, "adam", gradient_accumulation_steps=4 if accum else 1)
     for r in range(n):
-        mem = res.json(r, "memory.json")
-        for stage in (1, 2, 3) if accum else (0, 1, 2, 3):
-            got = mem[f"{name}-{stage}"]
-            est = estimate_memory(net, stage, n, "adam", gradient_accumulation_steps=4 if accum else 1)
-            for kind in ("parameters", "gradients", "optimizer_states"):
-                assert abs(got[kind] - est[kind]) <= 0.01 * max(est[kind], 1), (r, stage, kind, got[kind], est[kind])
+        got = res.json(r, "memory.json")[f"{name}-{stage}"]
+        for kind in ("parameters", "gradients", "optimizer_states"):
+            assert abs(got[kind] - est[kind]) <= 0.01 * max(est[kind], 1), (r, stage, kind, got[kind], est[kind])
 
 
 # Mixed precision (param_dtype=float16, dynamic loss scale, AMP O2: BatchNorm/LayerNorm in fp32). fp16 has an

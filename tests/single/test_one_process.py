@@ -7,6 +7,7 @@ from mindspore import Parameter, Tensor, nn
 
 import mindzero
 from tests.support.models import DEFAULT_OPTIMIZER, MODELS, build, make_optimizer
+from tests.support.scenarios import CLIP, DYNAMIC, FP16
 
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
@@ -223,6 +224,45 @@ def test_the_step_compiles_without_branch_graphs_per_parameter(stage, tmp_path):
     else:  # one reduction (at the boundary), one graph per gradient
         assert names.count("_reduce_grad") == n, (names.count("_reduce_grad"), n)
 
+
+@pytest.mark.parametrize("model, optimizer, options", [
+    ("mixed", "adamw_groups", {**CLIP, "scale_sense": DYNAMIC, "comm_fusion": FUSE_ALL}),
+    ("mixed", "adamw_groups", FP16),
+    ("mixed", "came", {}),
+    ("gpt", "sgd", {}),
+    ("lora", "adam", {}),
+    ("awkward", "adam", {"gradient_accumulation_steps": 2}),
+], ids=["mixed-clip-dynamic-fused", "mixed-fp16", "mixed-came-owner", "gpt-tied", "lora-frozen-bn", "accumulation"])
+def test_stage2_without_accumulation_compiles_the_graph_of_stage1(model, optimizer, options, tmp_path):
+    """Stage 2 differs from stage 1 where gradients are reduced: each as backward produces it, and accumulated as
+    shards. With one micro-step per update the two are the same place, so stage 2 compiles stage 1's graph, node
+    for node (the graph MindSpore validates, rank 0 of 2 rehearsed), only in depth-first kernel order; with
+    accumulation the graphs differ (the control that the comparison sees a difference). The multi-rank launches
+    run stage 2 where it differs (accumulation, on the CPU and the GPU/Ascend path) and leave its
+    single-micro-step rows to the full tier on the strength of this test."""
+    from mindzero.comm.groups import rehearse
+    from tests.support.graphs import comparable, last_graph, saved_graphs
+
+    graphs, orders = [], []
+    for stage in (1, 2):
+        net = build(model)
+        inputs = [Tensor(a) for a in type(net).batch(np.random.RandomState(0))]
+        if "param_dtype" in options:  # fp16 compute, as the launches' fp16 rows (AMP O2)
+            net = ms.amp.auto_mixed_precision(net, "O2")
+        with saved_graphs(tmp_path / str(stage), "validate"), rehearse(2):
+            step = mindzero.prepare_train_network(net, make_optimizer(optimizer, net), zero_stage=stage,
+                                                  config=options)
+            step.compile(*inputs)
+        graphs.append(comparable(last_graph(tmp_path / str(stage), "validate")))
+        orders.append(step.exec_order)
+    assert orders == [None, "dfs"]
+    if "gradient_accumulation_steps" in options:
+        assert graphs[0] != graphs[1]
+    elif graphs[0] != graphs[1]:
+        import difflib
+        diff = list(difflib.unified_diff(graphs[0].splitlines(), graphs[1].splitlines(), "stage 1", "stage 2",
+                                         lineterm="", n=0))
+        raise AssertionError("stage 2's graph differs from stage 1's:\n" + "\n".join(diff[:40]))
 
 def test_pynative_stages_equal():
     ms.set_context(mode=ms.PYNATIVE_MODE)

@@ -33,3 +33,14 @@ def last_graph(directory, pass_name: str) -> str:
     if not paths:
         raise FileNotFoundError(f"no IR file of pass {pass_name!r} under {directory}")
     return max(paths, key=lambda p: int(re.findall(r"_(\d+)\.ir$", p.name)[0])).read_text()
+
+
+def comparable(text: str) -> str:
+    """An IR file's text without what differs between two compiles of the same graph in one process: the compile
+    phase's name, the numbers MindSpore gives graphs, nodes and recompute regions as it makes them, the debug
+    names of nodes (made of the source's variable names, in no fixed order), addresses, and the comment lines
+    (source locations)."""
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith(("compile_phase", "#"))]
+    text = re.sub(r'unique_id: "\d+"|recompute_id: I64\(\d+\)|0x[0-9a-f]+', "", "\n".join(lines))
+    text = re.sub(r"(%\d+)\([^)]*\)", r"\1", text)
+    return re.sub(r"\b\d+_", "N_", re.sub(r"_\d+", "_N", text))

@@ -126,6 +126,16 @@ OWNER_DEFAULT = {"came": (3,), "came-clip": (3,), "came-overflow": (2,), "came-a
                  "came-ema": (3,)}
 
 
+def single_micro(stage) -> str:
+    """The tier of a parity row without accumulation at ``stage``: stage 2 with one micro-step per update compiles
+    stage 1's graph node for node, only in depth-first kernel order (tests/single/test_one_process.py), so such rows
+    run in the full tier; the default suite runs stage 2 where it differs (every ``accum``, ``mp-accum``,
+    ``came-accum``, ``disk-accum`` and ``real-accum`` row: gradients reduce-scattered at each micro-step into sharded
+    buffers), the mixed net's plain row (``mixed-2``: the memory report) and owner mode with a skipped overflow
+    (``came-overflow-2``)."""
+    return FULL if stage == 2 else DEFAULT
+
+
 def owner_scenarios(full: bool) -> list:
     """The owner-mode rows of the parity launch: every feature at stages 0-3 (2 ranks; 4 ranks: stages 0 and 3, and
     2 with accumulation, stage 3's bit-for-bit reference),
@@ -169,12 +179,13 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
     """
     full = world_size == 2
     some = (0, 1, 2, 3) if full else (0, 3)
-    out = [Scenario(f"{model}-{stage}", model, opt, stage) for model, opt in MODEL_OPTIMIZERS
-           for stage in ("dp", 0, 1, 2, 3)]
+    # stage 2 with one micro-step per update: the mixed net's row (the memory report's) in the default suite
+    out = [Scenario(f"{model}-{stage}", model, opt, stage, tier=DEFAULT if model == "mixed" else single_micro(stage))
+           for model, opt in MODEL_OPTIMIZERS for stage in ("dp", 0, 1, 2, 3)]
     for stage in some:
-        out.append(Scenario(f"clip-{stage}", "mixed", "adamw_groups", stage, CLIP))
+        out.append(Scenario(f"clip-{stage}", "mixed", "adamw_groups", stage, CLIP, tier=single_micro(stage)))
         out.append(Scenario(f"overflow-{stage}", "mixed", "adamw_groups", stage, {"scale_sense": DYNAMIC},
-                            force_overflow=True))
+                            force_overflow=True, tier=single_micro(stage)))
     for stage in ("dp", 0, 1, 2, 3):
         out.append(Scenario(f"accum-{stage}", "awkward", "adam", stage, {"gradient_accumulation_steps": 4}))
     for stage in some:  # stages 1-2's EMA (after the write-back gather) also runs in mp-accum-1/2
@@ -187,7 +198,7 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
             # the gpt and resnet in fp16 wholly in the full tier (their stage 0 only serves their stages 1-3)
             full_only = model in ("gpt", "resnet") or (model == "lora" and stage in (1, 2))
             out.append(Scenario(f"mp-{model}-{stage}", model, opt, stage, FP16, force_overflow=model == "mixed",
-                                tier=FULL if full_only else DEFAULT))
+                                tier=FULL if full_only else single_micro(stage)))
     if full:
         out.append(Scenario("mp-offload-3", "mixed", "adamw_groups", 3, {**FP16, "optimizer_offload": True},
                             force_overflow=True))
@@ -211,13 +222,15 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
         # the backbone converted by the user, the loss Cell not: kept exactly as it is
         out += [Scenario(f"partial-mlp-{stage}", "mlp", "adam", stage, FP16, amp="partial") for stage in (0, 3)]
     for stage in some:  # the clip-<stage> runs with comm_fusion buckets
-        out.append(Scenario(f"fused-{stage}", "mixed", "adamw_groups", stage, {**CLIP, "comm_fusion": thirds("mixed")}))
+        out.append(Scenario(f"fused-{stage}", "mixed", "adamw_groups", stage, {**CLIP, "comm_fusion": thirds("mixed")},
+                            tier=single_micro(stage)))
     if full:  # the GPU/Ascend path (real ReduceScatter, fused row layout) with CPU-legal primitives
         for stage in (1, 2, 3):
             for fused in (False, True):
                 settings = {**CLIP, "comm_fusion": thirds("mixed")} if fused else CLIP
                 out.append(Scenario(f"real-{'fused-' if fused else ''}{stage}", "mixed", "adamw_groups", stage,
-                                    settings, substitute=True, tier=FULL if fused and stage in (1, 2) else DEFAULT))
+                                    settings, substitute=True,
+                                    tier=FULL if fused and stage in (1, 2) else single_micro(stage)))
         out.append(Scenario("real-mp-3", "mixed", "adamw_groups", 3, FP16, force_overflow=True, substitute=True))
         out.append(Scenario("real-accum-2", "awkward", "adam", 2, {"gradient_accumulation_steps": 4}, substitute=True))
     if full:  # the optimizer states on disk, bit for bit as the same run in memory (2 ranks; tests/single too)
