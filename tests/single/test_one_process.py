@@ -236,7 +236,7 @@ def test_the_step_compiles_without_branch_graphs_per_parameter(stage, tmp_path):
 def test_stage2_without_accumulation_compiles_the_graph_of_stage1(model, optimizer, options, tmp_path):
     """Stage 2 differs from stage 1 where gradients are reduced: each as backward produces it, and accumulated as
     shards. With one micro-step per update the two are the same place, so stage 2 compiles stage 1's graph, node
-    for node (the graph MindSpore validates, rank 0 of 2 rehearsed), only in depth-first kernel order; with
+    for node (the graph after type inference, rank 0 of 2 rehearsed), only in depth-first kernel order; with
     accumulation the graphs differ (the control that the comparison sees a difference). The multi-rank launches
     run stage 2 where it differs (accumulation, on the CPU and the GPU/Ascend path) and leave its
     single-micro-step rows to the full tier on the strength of this test."""
@@ -249,11 +249,11 @@ def test_stage2_without_accumulation_compiles_the_graph_of_stage1(model, optimiz
         inputs = [Tensor(a) for a in type(net).batch(np.random.RandomState(0))]
         if "param_dtype" in options:  # fp16 compute, as the launches' fp16 rows (AMP O2)
             net = ms.amp.auto_mixed_precision(net, "O2")
-        with saved_graphs(tmp_path / str(stage), "validate"), rehearse(2):
+        with saved_graphs(tmp_path / str(stage), "type_inference"), rehearse(2):
             step = mindzero.prepare_train_network(net, make_optimizer(optimizer, net), zero_stage=stage,
                                                   config=options)
             step.compile(*inputs)
-        graphs.append(comparable(last_graph(tmp_path / str(stage), "validate")))
+        graphs.append(comparable(last_graph(tmp_path / str(stage), "type_inference")))
         orders.append(step.exec_order)
     assert orders == [None, "dfs"]
     if "gradient_accumulation_steps" in options:

@@ -12,7 +12,9 @@ import mindspore as ms
 def saved_graphs(directory, passes: str):
     """Inside: every compile saves the IR of the passes ``passes`` names (``MS_DEV_DUMP_IR_PASSES``: e.g.
     ``"type_inference"``, ``"execute"``; one pass instead of every pass's: a compile takes half the time) into
-    ``directory``; after: saving off and the environment as it was."""
+    ``directory``; after: saving off and the environment as it was. A process saves the passes it named first:
+    MindSpore reads the variable once (seen: ``"validate"`` after ``"type_inference"`` in one process saved
+    nothing), so the tests of one process name the same pass."""
     before = os.environ.get("MS_DEV_DUMP_IR_PASSES")
     try:
         os.environ["MS_DEV_DUMP_IR_PASSES"] = passes

@@ -164,7 +164,8 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
     (stage 3: its own fp16 code path: fp16 gathers, reduce_dtype in the gather's backward).
 
     The default suite's 2-rank launch leaves the rows marked ``tier=FULL`` to the full tier, each with a sibling
-    that runs its code path: mindzero's fp16 conversion (``auto-``) at stages 1-2 (stages 1-2 share their reduction
+    that runs its code path: stage 2 without accumulation but the mixed net's row (:func:`single_micro`: it compiles
+    stage 1's graph node for node), mindzero's fp16 conversion (``auto-``) at stages 1-2 (stages 1-2 share their reduction
     with mp-mixed-1/2) and of the gpt and normed nets at stage 3 (the mlp's stays), the normed net's altogether
     (tests/single/test_precision.py converts it at stages 0 and 3), fp16 of the gpt and resnet nets at every stage
     and of the lora net at stages 1-2 (mp-mixed and mp-accum keep fp16 at every stage, mp-lora-3 frozen fp16 weights
