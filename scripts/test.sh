@@ -7,8 +7,7 @@
 # Without a path, in two lanes at once, then the rest:
 # - the launches that keep both cores busy with their ranks (one module at a time: their ranks compile side by side);
 # - beside them, the launches that mostly wait (ranks that are killed, hang to a timeout or fail on purpose, short
-#   example runs, checkpoint faults, the planner's rehearsals: about half a core on average), one at a time, and
-#   last the quantized-gather launch, which would end the first lane alone (it evens the two lanes' lengths);
+#   example runs, checkpoint faults, the planner's rehearsals: about half a core on average), one at a time;
 # - then the one-process and pure tests two at a time (pytest-xdist, one module per worker: each test compiles on
 #   one core).
 # The second lane's output is printed as it runs, the first lane's when it ends (it is written to a file meanwhile).
@@ -22,10 +21,10 @@ for arg in "$@"; do
   fi
 done
 BUSY=(tests/multirank/test_parity.py tests/multirank/test_optimizers.py tests/multirank/test_checkpoint.py
-      tests/multirank/test_hybrid.py tests/multirank/test_sharded_init.py)
+      tests/multirank/test_hybrid.py tests/multirank/test_sharded_init.py tests/multirank/test_quant.py)
 BESIDE=(tests/multirank/test_launcher.py tests/multirank/test_launch.py tests/multirank/test_faults.py
-         tests/multirank/test_fit.py tests/multirank/test_example.py tests/multirank/test_model_train.py
-         tests/multirank/test_offload.py tests/multirank/test_quant.py)
+        tests/multirank/test_fit.py tests/multirank/test_example.py tests/multirank/test_model_train.py
+        tests/multirank/test_offload.py)
 every=$(find tests/multirank -name 'test_*.py' | sort)
 listed=$(printf '%s\n' "${BUSY[@]}" "${BESIDE[@]}" | sort)
 if [[ "$every" != "$listed" ]]; then
