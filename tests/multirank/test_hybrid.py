@@ -12,7 +12,7 @@ from mindzero.checkpoint.tensor_io import open_reader
 from mindzero.launch.local import msrun
 from tests.support.compare import LOSS_NOISE, ON_CPU, RTOL_FP16, Results, assert_same_run, rel_err
 from tests.support.models import PARITY_MODELS
-from tests.support.scenarios import HYBRID_FP16, HYBRID_PERSISTS, HYBRID_UNITS, hybrid_scenarios
+from tests.support.scenarios import HYBRID_FP16, HYBRID_PERSISTS, HYBRID_UNITS, hybrid_scenarios, with_references
 from tests.support.tier import Launch, full_tier, worker_args
 
 from . import WORKERS
@@ -66,7 +66,7 @@ def test_owner_mode_inside_op_groups_equals_plain_data_parallel(res, stage):
 
 
 @scenarios(lambda name, ref: [name, ref])
-@pytest.mark.parametrize("name, ref", [(s.name, s.reference) for s in HYBRID_UNITS], ids=[s.name for s in HYBRID_UNITS])
+@pytest.mark.parametrize("name, ref", with_references(HYBRID_UNITS))
 def test_hybrid_gather_units_equal_per_parameter_gathers(res, name, ref):
     """gather_units under hybrid sharding (CPU: the world all-gather of a unit, the op group's rows kept) trains
     bit for bit as gathering each parameter alone."""
@@ -124,7 +124,7 @@ def test_hybrid_accumulation_equals_plain_data_parallel(res, stage):
 
 
 @scenarios(lambda name, ref: [name, ref])
-@pytest.mark.parametrize("name, ref", [(s.name, s.reference) for s in HYBRID_FP16], ids=[s.name for s in HYBRID_FP16])
+@pytest.mark.parametrize("name, ref", with_references(HYBRID_FP16))
 def test_hybrid_mixed_precision_equals_flat_stage0(res, name, ref):
     """param_dtype=float16 at stage 3 sharded inside op groups of 2 (fp16 gathers and reductions, fp32 master
     shards) equals flat stage 0 with the same policy, within fp16 rounding (test_parity.RTOL_FP16)."""

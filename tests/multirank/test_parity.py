@@ -16,7 +16,7 @@ from tests.support.compare import (LOSS_NOISE, ON_CPU, RTOL, RTOL_FP16, RTOL_FP1
                                    assert_parity_checks, assert_same_run, rel_err)
 from tests.support.models import PARITY_MODELS
 from tests.support.release import RELEASE_OPTIMIZERS
-from tests.support.scenarios import AUTO_AMP_MODELS, OWNER_FEATURES, PERSISTS, UNITS, parity_scenarios
+from tests.support.scenarios import AUTO_AMP_MODELS, OWNER_FEATURES, PERSISTS, UNITS, parity_scenarios, with_references
 from tests.support.tier import Launch, full_tier, worker_args
 
 from . import WORKERS
@@ -77,7 +77,7 @@ def test_fusion_cuts_collectives_per_step(run):
 
 
 @scenarios(lambda name, ref: [name, ref])
-@pytest.mark.parametrize("name, ref", [(u.name, u.reference) for u in UNITS], ids=[u.name for u in UNITS])
+@pytest.mark.parametrize("name, ref", with_references(UNITS))
 def test_gather_units_equal_per_parameter_gathers(run, name, ref):
     """Stage 3 with ``gather_units`` (the Cell rule on the GPT, whose tied embedding keeps its own gather; the
     size rule on the mixed-precision net, on the LoRA net's frozen weights, with param_dtype and a forced
@@ -133,7 +133,7 @@ def test_the_compiled_steps_collective_kernels_are_the_plans(run):
 
 
 @scenarios(lambda name, ref: [name, ref])
-@pytest.mark.parametrize("name, ref", [(p.name, p.reference) for p in PERSISTS], ids=[p.name for p in PERSISTS])
+@pytest.mark.parametrize("name, ref", with_references(PERSISTS))
 def test_persistence_threshold_trains_as_sharding_everything(run, name, ref):
     """``stage3_param_persistence_threshold``: the TinyGPT's biases and norms (and the mixed net's small tensors)
     kept whole and all-reduced together train as the run that shards them, bit for bit (the same sums: a CPU
@@ -142,16 +142,17 @@ def test_persistence_threshold_trains_as_sharding_everything(run, name, ref):
     mixed net computes its ``half`` cell in fp16: a last-bit difference of the clipping factor flips fp16 roundings
     there, which the updates carry on, so that row is held to fp16's bar (RTOL_FP16), losses and parameters (measured
     at 2 ranks after 10 steps: parameters 7.7e-5 relative, losses 8.5e-6 and 1.1e-4 on the two ranks on one machine;
-    on another within the bar this row had before, 1e-5 and losses 1e-6). At 4 ranks the kept gradients' fused all-reduce sums each element's 4 contributions in
-    an order that depends on its place in the buffer (as ``test_fused_equals_unfused`` measures): 2.9e-9 on the
-    TinyGPT (measured), so 4 ranks are held to that test's 5e-5. At stage 3 the kept parameters are whole on every
-    rank and in the memory report."""
+    on another within the bar this row had before, 1e-5 and losses 1e-6). At 4 ranks the kept gradients' fused
+    all-reduce sums each element's 4 contributions in an order that depends on its place in the buffer (as
+    ``test_fused_equals_unfused`` measures): 2.9e-9 on the TinyGPT (measured), so 4 ranks are held to that test's
+    5e-5. At stage 3 the kept parameters are whole on every rank and in the memory report."""
     n, res = run
     scn = res.scenario(name)
-    rtol = RTOL_FP16 if "clip" in name else 5e-5 if n == 4 else 0.0
+    clipped = "clip" in name
+    rtol = RTOL_FP16 if clipped else 5e-5 if n == 4 else 0.0
     for r in range(n):
         assert_same_run(res.load(r, name), res.load(r, ref), f"{name} vs {ref} rank {r}", rtol=rtol,
-                        loss_rtol=rtol if "clip" in name else LOSS_NOISE, overflow=scn.force_overflow)
+                        loss_rtol=rtol if clipped else LOSS_NOISE, overflow=scn.force_overflow)
     if scn.stage == 3:
         mem = res.json(0, "memory.json")
         kept, sharded = mem[name], mem[ref]

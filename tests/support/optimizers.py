@@ -183,5 +183,5 @@ def parameter_modes(case: OptimizerCase, net) -> dict:
     return {p.name: case.mode(p.shape) for p in net.trainable_params()}
 
 
-__all__ = ["CASES", "BY_NAME", "stages_for", "ALSO_AT_STAGE1", "FLAT", "OWNER", "OptNet", "OptimizerCase", "build", "came", "mindcv_adamw",
-           "mindone_module", "muon", "parameter_modes"]
+__all__ = ["CASES", "BY_NAME", "stages_for", "ALSO_AT_STAGE1", "FLAT", "OWNER", "OptNet", "OptimizerCase", "build",
+           "came", "mindcv_adamw", "mindone_module", "muon", "parameter_modes"]

@@ -121,9 +121,17 @@ PERSISTS = [*(Scenario(f"persist-gpt-{stage}", "gpt", "sgd_decay", stage, PERSIS
 OWNER_FEATURES = {"came": {}, "came-clip": CLIP, "came-overflow": {"scale_sense": DYNAMIC},
                   "came-accum": {"gradient_accumulation_steps": 4}, "came-mp": FP16, "came-ema": EMA}
 #: the default suite's stages of each (stage 2 plain: came-overflow-2 and came-accum-2 run its path on the same net, and
-#: the optimizer launch CAME at stage 2 against plain DP)
+#: the optimizer launch trains CAME at stage 1, whose graph stage 2 compiles without accumulation)
 OWNER_DEFAULT = {"came": (3,), "came-clip": (3,), "came-overflow": (2,), "came-accum": (2, 3), "came-mp": (3,),
                  "came-ema": (3,)}
+
+
+def with_references(rows) -> list:
+    """``pytest.param(name, reference, id=name)`` of each row: the parameters of a test that compares each row with
+    the run it equals."""
+    import pytest
+
+    return [pytest.param(s.name, s.reference, id=s.name) for s in rows]
 
 
 def single_micro(stage) -> str:
@@ -165,18 +173,18 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
 
     The default suite's 2-rank launch leaves the rows marked ``tier=FULL`` to the full tier, each with a sibling
     that runs its code path: stage 2 without accumulation but the mixed net's row (:func:`single_micro`: it compiles
-    stage 1's graph node for node), mindzero's fp16 conversion (``auto-``) at stages 1-2 (stages 1-2 share their reduction
-    with mp-mixed-1/2) and of the gpt and normed nets at stage 3 (the mlp's stays), the normed net's altogether
-    (tests/single/test_precision.py converts it at stages 0 and 3), fp16 of the gpt and resnet nets at every stage
-    and of the lora net at stages 1-2 (mp-mixed and mp-accum keep fp16 at every stage, mp-lora-3 frozen fp16 weights
-    at stage 3, the hybrid launch's mp-h3 the mixed net in fp16 at stage 3 inside op groups), the gather_units rows
-    by size, on frozen weights and with param_dtype (:data:`UNITS`), the persistence threshold below stage 3 (it
-    changes nothing there: the parsed option is empty below stage 3, tests/unit/test_persistence.py), EMA at stages
-    1-2 (mp-accum-1/2 keep it), the fused GPU/Ascend path at stages 1-2 (real-fused-3 keeps the fused rows, real-1/2
-    the stages), the mint.optim rows at stages 0-2 (their stage 3 stays, against the plain-DP reference loop) and
-    owner mode plain at stages 1-2 and in fp16 at stage 1 (the optimizer launch runs CAME at stages 1-3,
-    came-overflow-2 and came-accum-2 owner mode at stage 2 on the mixed net, test_checkpoint.py trains and resumes
-    it in fp16 at stage 1).
+    stage 1's graph node for node), mindzero's fp16 conversion (``auto-``) at stages 1-2 (stages 1-2 share their
+    reduction with mp-mixed-1, and stage 2 compiles stage 1's graph) and of the gpt and normed nets at stage 3 (the
+    mlp's stays), the normed net's altogether (tests/single/test_precision.py converts it at stages 0 and 3), fp16
+    of the gpt and resnet nets at every stage and of the lora net at stages 1-2 (mp-mixed keeps fp16 at stages 0, 1
+    and 3 and mp-accum at every stage, mp-lora-3 frozen fp16 weights at stage 3, the hybrid launch's mp-h3 the mixed
+    net in fp16 at stage 3 inside op groups), the gather_units rows by size, on frozen weights and with param_dtype
+    (:data:`UNITS`), the persistence threshold below stage 3 (it changes nothing there: the parsed option is empty
+    below stage 3, tests/unit/test_persistence.py), EMA at stages 1-2 (mp-accum-1/2 keep it), the fused GPU/Ascend
+    path at stages 1-2 (real-fused-3 keeps the fused rows, real-1 and real-accum-2 the stages), the mint.optim rows
+    at stages 0-2 (their stage 3 stays, against the plain-DP reference loop) and owner mode plain at stages 1-2 and
+    in fp16 at stage 1 (the optimizer launch runs CAME at stages 1 and 3, came-overflow-2 and came-accum-2 owner
+    mode at stage 2 on the mixed net, test_checkpoint.py trains and resumes it in fp16 at stage 1).
     """
     full = world_size == 2
     some = (0, 1, 2, 3) if full else (0, 3)
