@@ -4,12 +4,12 @@
 # docs/testing.md). Other arguments go to pytest; with a path among them (`bash scripts/test.sh tests/unit`), pytest
 # runs just that.
 #
-# Without a path, in two lanes at once, then the rest:
+# Without a path, in two lanes at once:
 # - the launches that keep both cores busy with their ranks (one module at a time: their ranks compile side by side);
 # - beside them, the launches that mostly wait (ranks that are killed, hang to a timeout or fail on purpose, short
-#   example runs, checkpoint faults, the planner's rehearsals: about half a core on average), one at a time;
-# - then the one-process and pure tests two at a time (pytest-xdist, one module per worker: each test compiles on
-#   one core).
+#   example runs, checkpoint faults, the planner's rehearsals: about half a core on average), one at a time, and
+#   when they end, the one-process and pure tests two at a time (pytest-xdist, one module per worker: each test
+#   compiles on one core), beside what remains of the first lane.
 # The second lane's output is printed as it runs, the first lane's when it ends (it is written to a file meanwhile).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,11 +39,10 @@ status=0
 busy=$!
 trap 'kill "$busy" 2>/dev/null || true' EXIT  # an interrupted run leaves no lane behind
 "${PYTEST[@]}" "${BESIDE[@]}" "$@" || status=$?
+"${PYTEST[@]}" -n 2 --dist loadfile tests/single tests/unit "$@" || status=$((status ? status : $?))
 busy_status=0
 wait "$busy" || busy_status=$?
 echo "=== the busy lane (${BUSY[*]}) ==="
 cat "$busy_log"
 rm -f "$busy_log"
-status=$((status ? status : busy_status))
-"${PYTEST[@]}" -n 2 --dist loadfile tests/single tests/unit "$@" || status=$((status ? status : $?))
-exit "$status"
+exit $((status ? status : busy_status))

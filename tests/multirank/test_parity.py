@@ -205,13 +205,11 @@ def test_optimizer_offload_equals_on_device(run, stage):
         assert_same_run(res.load(r, f"offload-{stage}"), res.load(r, f"mixed-{stage}"), f"offload-{stage} rank {r}")
 
 
-DISK_ROWS = [("disk-clip-1", "clip-1"), ("disk-clip-2", "clip-2"), ("disk-clip-3", "clip-3"),
-             ("disk-overflow-1", "overflow-1"), ("disk-overflow-3", "overflow-3"), ("disk-mp-1", "mp-mixed-1"),
-             ("disk-mp-3", "mp-mixed-3"), ("disk-accum-2", "accum-2"), ("disk-accum-3", "accum-3")]
+DISK_ROWS = [s for s in parity_scenarios(2) if s.settings.get("optimizer_offload") == "disk"]
 
 
 @scenarios(lambda name, ref: [name, ref])
-@pytest.mark.parametrize("name, ref", DISK_ROWS, ids=[name for name, _ in DISK_ROWS])
+@pytest.mark.parametrize("name, ref", with_references(DISK_ROWS))
 def test_disk_offload_equals_the_run_in_memory(run, name, ref):
     """``optimizer_offload="disk"`` (the states streamed from a file through views of the optimizer) trains bit for
     bit as the same run with the states in memory: clipping at stages 1-3, a skipped overflow, param_dtype (fp32

@@ -32,6 +32,15 @@ def start(parser=None):
     return start_worker(parser)
 
 
+_OFFLOAD_DIRS = []  # held until the process ends, when each removes itself (a train step may use its file till then)
+
+
+def _offload_dir() -> str:
+    folder = tempfile.TemporaryDirectory(prefix="mindzero_offload_")
+    _OFFLOAD_DIRS.append(folder)
+    return folder.name
+
+
 @dataclass
 class Run:
     arrays: dict  # losses, overflows, scales, data (CRC-32 of each input), emulated, param/<name> (@init, @ema, @master)
@@ -88,8 +97,8 @@ def run(scn, world) -> Run:
     else:
         # substitute: the GPU/Ascend code path, CPU-legal primitives (mindzero.comm.substitute_collectives)
         settings = scn.settings
-        if settings.get("optimizer_offload") == "disk":  # each run its own directory
-            settings = {**settings, "offload_dir": tempfile.mkdtemp(prefix="mindzero_offload_")}
+        if settings.get("optimizer_offload") == "disk":  # each run its own directory, removed when the process ends
+            settings = {**settings, "offload_dir": _offload_dir()}
         with substitute_collectives() if scn.substitute else contextlib.nullcontext():
             train = mindzero.prepare_train_network(net, opt, zero_stage=scn.stage, config=settings)
     losses, overflows, scales, seen = [], [], [], []
