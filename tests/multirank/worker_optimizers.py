@@ -65,6 +65,7 @@ def contract(world, out_dir):
     for kind in ("nn.AdamWeightDecay", "mindone.CAME"):
         case = BY_NAME[kind]
         for stage in ("dp", 0, 1, 2, 3):
+            settle()
             net = build()
             before = [(id(p), p.name, tuple(p.shape)) for p in net.trainable_params()]
             if stage == "dp" and kind == "nn.AdamWeightDecay":
@@ -104,6 +105,7 @@ def mismatch(world, out_dir):
     result = {}
     for what, make in (("lr", lambda ps: nn.AdamWeightDecay(ps, 2e-2 if last else 1e-2)),
                        ("class", lambda ps: (nn.Adam if last else nn.AdamWeightDecay)(ps, 1e-2))):
+        settle()
         net = build()
         try:
             mindzero.prepare_train_network(net, make(net.trainable_params()), zero_stage=2)
