@@ -34,7 +34,7 @@ scenarios = pytest.mark.scenarios
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.full)], ids=["2ranks", "4ranks"])
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"parity{request.param}")
-    # the full tier's 2-rank launch took 1369 s beside the other lane (2026-11-29): 3600 s leaves it room on a slow day
+    # the full tier's 2-rank launch runs about 23 minutes beside the other lane on two cores; room for a slow day
     msrun(WORKERS / "worker_parity.py", request.param, out, worker_args(request.config), timeout=3600)
     return request.param, Results(out, parity_scenarios(request.param, full_tier(request.config)))
 
