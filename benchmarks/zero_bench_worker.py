@@ -88,6 +88,8 @@ def parse_args():
                     help="compile the step (Cell.compile) before the first step and time the two apart")
     ap.add_argument("--fp16", action="store_true", help="fp16 compute (AMP O2; LayerNorm in fp32); ZeRO configs also "
                     "hold fp16 parameters with fp32 masters (param_dtype=float16), plain DP keeps fp32 parameters")
+    ap.add_argument("--compile-cache", help="ZeRO configs: prepare_train_network's compile_cache (plain DP: start the "
+                                            "worker with MindSpore's MS_COMPILER_CACHE_ENABLE=1 instead)")
     ap.add_argument("--lazy", action="store_true", help="build the model under mindzero.lazy_init()")
     ap.add_argument("--time-collectives", action="store_true",
                     help="plain DP: time an all-reduce of Φ floats and an all-gather of Φ/N per rank")
@@ -220,7 +222,7 @@ def main():
                                                scale_sense=1024.0 if half_reduce else 1.0,
                                                gather_units="*blocks.*" if "u" in flags else None,
                                                stage3_param_persistence_threshold=a.persistence if "p" in flags else 0,
-                                               **offload)
+                                               compile_cache=a.compile_cache, **offload)
         if a.config.endswith("bfs"):
             train.exec_order = None  # MindSpore's default order (bfs), as before the depth-first compile
         if a.pretrained:

@@ -12,6 +12,7 @@ the same for ``ZeroCheckpoint``.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -378,6 +379,7 @@ class ZeroConfig:
     groups: GroupPolicy = field(default_factory=GroupPolicy)
     stage3: Stage3Policy = field(default_factory=Stage3Policy)
     offload: OffloadPolicy = None  # None: no offload; OffloadPolicy.parse(optimizer_offload, offload_dir, ...)
+    compile_cache: Optional[str] = None  # a directory for the compiled train step (mindzero.engine.compile_cache)
 
     def __post_init__(self):
         if self.precision is None:
@@ -399,6 +401,10 @@ class ZeroConfig:
         if not isinstance(self.offload, OffloadPolicy):
             raise ValueError(f"offload must be an OffloadPolicy, got {self.offload!r}")
         self.offload.check_stage(self.zero_stage)
+        if self.compile_cache is not None:
+            if not isinstance(self.compile_cache, (str, os.PathLike)) or str(self.compile_cache) == "":
+                raise ValueError(f"compile_cache must be None or a directory path, got {self.compile_cache!r}")
+            object.__setattr__(self, "compile_cache", str(self.compile_cache))
         if not is_number(self.clip_norm) or not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be a number > 0, got {self.clip_norm!r}")
         self.stage3.check_stage(self.zero_stage)
@@ -441,6 +447,7 @@ class ZeroConfig:
                           groups=GroupPolicy(a["optimizer_parallel_group"], a["dp_group"], a["hybrid_shard_size"]),
                           offload=OffloadPolicy.parse(a["optimizer_offload"], a["offload_dir"], a["offload_chunk_mb"],
                                                       a["offload_keep"]),
+                          compile_cache=a["compile_cache"],
                           stage3=Stage3Policy(a["stage3_regather"], a["shard_frozen"],
                                               GatherQuantization.parse(a["gather_quantization"]),
                                               GatherUnits.parse(a["gather_units"]),

@@ -57,6 +57,8 @@ OPTIONS = (
                                 "goes in `rank_<r>/` under it"),
     Option("offload_chunk_mb", 8, "a number > 0: MiB of optimizer states streamed per piece (disk offload)"),
     Option("offload_keep", False, "a bool: leave the state files at exit (disk offload)"),
+    Option("compile_cache", None, "`None` or a directory: the compiled train step is kept there, under a key of "
+                                  "everything that shapes it, and the next launch with the same key loads it"),
     Option("hybrid_shard_size", None, "`None` or an int >= 1: ranks per op group", argument=False),
 )
 #: option name -> default

@@ -38,6 +38,7 @@ from ..core.offload import (ALIGN_BYTES, SLOTS, SPLITTABLE_OPTIMIZERS, OffloadEr
                             StateLayout, check_directory, states_at)
 from ..core.optim_plan import ELEMENT, FLAT, WHOLE
 from ..core.plan import dtype_bytes
+from .compile_cache import without_process_cache
 from .kernels import MAP, store
 from .materialize import np_dtype
 from .optim import qualified_name
@@ -345,8 +346,9 @@ class _Stream:
             values = params[piece.index][piece.start:piece.stop]
             window = self._param_array(self.slots[k % SLOTS], piece)
             window[...] = values
-            self.view_of[k]((Tensor.from_numpy(grads[piece.index][piece.start:piece.stop].reshape(
-                self.window_shapes[k])),))
+            with without_process_cache():  # a view compiles at its first call
+                self.view_of[k]((Tensor.from_numpy(grads[piece.index][piece.start:piece.stop].reshape(
+                    self.window_shapes[k])),))
             values[...] = window
             writes[k % SLOTS] = self.disk.writer.submit(write, k)
         for w in writes:

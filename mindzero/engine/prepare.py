@@ -30,7 +30,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
                           reduce_dtype=None, shard_frozen=True, gather_quantization=None, gather_units=None,
                           stage3_param_persistence_threshold=100_000,
                           stage3_model_persistence_threshold=None, offload_dir=None, offload_chunk_mb=8,
-                          offload_keep=False, config=None):
+                          offload_keep=False, compile_cache=None, config=None):
     """Wrap ``network`` (which returns the loss) and ``optimizer`` into a ZeRO train step.
 
     Must be called on all ranks, with the same network and optimizer structure,
@@ -103,6 +103,13 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
             position tables; ``0``: every parameter sharded. Below stage 3 it changes nothing.
         stage3_model_persistence_threshold: stage 3: the most elements kept whole in all (the smallest
             parameters first), as DeepSpeed's option of that name; ``None``: 1% of the model's elements.
+        compile_cache: ``None``, or a directory where the compiled train step is kept (MindSpore's compile cache,
+            in a subdirectory named by a digest of everything that shapes the step's graph: its Cells and their
+            constants, the parameters' shapes, the inputs' shapes, these options, the world and this rank, the
+            versions), so that the next launch or resume with the same key loads it instead of compiling; other
+            settings compile anew. With MindSpore's cache on for the whole process (``MS_COMPILER_CACHE_ENABLE=1``)
+            and no ``compile_cache``, the step is kept the same way under ``<its path>/mindzero``.
+            :mod:`mindzero.engine.compile_cache`, docs/performance.md.
         parallel_modules: mindone's argument; not needed (stage 3 works for any Cell): a value raises
             ``NotImplementedError``.
         config: a settings file (YAML path) or mapping (:func:`mindzero.load_config`) holding any of the

@@ -44,6 +44,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn
 
 from ..core.offload import SPLITTABLE_OPTIMIZERS
 from ..core.optim_plan import ELEMENT, FLAT, OTHER, OWNER, WHOLE, MeasuredModel, Update
+from .compile_cache import without_process_cache
 from .materialize import is_lazy, np_dtype
 from .optim import OPTIMIZER_BASES, OptimizerLayout, family, qualified_name
 
@@ -260,8 +261,9 @@ def _run_probe(layout: OptimizerLayout, chosen, shapes) -> dict:
                                name=f"zero_probe_state.{attr}.{k}.{piece}", requires_grad=False)
                      for k, piece in entries] for attr in attrs}
     view = optimizer_view(layout, [data.chosen[k] for k, _ in entries], params, states)
-    for step in range(STEPS):
-        view(tuple(Tensor(value(data.grads[k][step], k, piece)) for k, piece in entries))
+    with without_process_cache():
+        for step in range(STEPS):
+            view(tuple(Tensor(value(data.grads[k][step], k, piece)) for k, piece in entries))
     got = {(k, piece): (params[e].asnumpy(), {a: states[a][e].asnumpy() for a in attrs})
            for e, (k, piece) in enumerate(entries)}
     verdicts = {}

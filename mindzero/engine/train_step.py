@@ -59,6 +59,7 @@ from ..comm.cells import AllReduceSum, AnyRank, Bucket, FusedAllReduceSum, Fused
 from ..core.state import CAST, REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
 from ..core.topology import World
 from ..core.host import release_host_memory
+from .compile_cache import cached_compile, without_process_cache
 from .kernels import (ALL, MAP, accumulate, cast_to, depend_on, ema_update, finite, norm_sq, reduce_grad, reduce_unit,
                       route, scale_by, zero_after)
 from .precision import explain_dtype_errors
@@ -248,11 +249,18 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.exec_order = "dfs" if config.policy.shard_gradients else None
         self.set_train(True)
         self._compiled = False
+        self._cache_looked = False
 
     def compile(self, *args, **kwargs):
         """Compile the step (graph mode), in the kernel execution order of its stage (see ``exec_order``)."""
-        with _execution_order(self.exec_order), explain_dtype_errors(self.network, self.zero_info.config.precision):
-            return super().compile(*args, **kwargs)
+        config, world = self.zero_info.config, self.zero_info.world
+        # MindSpore calls compile at every call: only the first compile looks for the step in compile_cache
+        cache = without_process_cache() if self._cache_looked else \
+            cached_compile(config.compile_cache, self, args, config, world)
+        with _execution_order(self.exec_order), explain_dtype_errors(self.network, config.precision), cache:
+            compiled = super().compile(*args, **kwargs)
+        self._cache_looked = True
+        return compiled
 
     def __call__(self, *args, **kwargs):
         if not self._compiled and ms.get_context("mode") == ms.GRAPH_MODE:

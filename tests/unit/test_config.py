@@ -1,6 +1,7 @@
 """Stage policies, config validation and the memory formulas, without MindSpore."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,10 +43,18 @@ def test_bad_stage(bad):
     ("clip_norm", 0.0, "clip_norm must be a number > 0, got 0.0"),
     ("clip_grad", 1, "clip_grad must be a bool, got 1"),
     ("drop_overflow_update", "yes", "drop_overflow_update must be a bool, got 'yes'"),
+    ("compile_cache", 3, "compile_cache must be None or a directory path, got 3"),
+    ("compile_cache", "", "compile_cache must be None or a directory path, got ''"),
 ])
 def test_bad_config(field, value, rule):
     with pytest.raises(ValueError, match=rule):
         ZeroConfig(**{field: value})
+
+
+def test_compile_cache_is_kept_as_a_path():
+    assert ZeroConfig(compile_cache=Path("/tmp/steps")).compile_cache == "/tmp/steps"
+    assert ZeroConfig.from_arguments({"compile_cache": "steps"}).compile_cache == "steps"
+    assert ZeroConfig().compile_cache is None
 
 
 def _plan(n, shard_frozen=True):
@@ -134,7 +143,7 @@ def test_the_options_table_is_every_option_once():
     from mindzero.core.settings import SETTING_KEYS
 
     names = [o.name for o in OPTIONS]
-    assert len(names) == len(set(names)) == 26
+    assert len(names) == len(set(names)) == 27
     assert ARGUMENT_DEFAULTS == {o.name: o.default for o in OPTIONS}
     assert set(SETTING_KEYS) == {o.name for o in OPTIONS if o.in_settings} and set(NOT_IN_SETTINGS).isdisjoint(SETTING_KEYS)
     config = ZeroConfig.from_arguments({})  # every default parses, and gives ZeroConfig's own defaults
