@@ -124,8 +124,10 @@ def _other_batch(batch: int) -> int:
 
 
 def _jsonable(options: dict) -> dict:
+    """``options`` for a rehearsal: dtypes by name; ``compile_cache`` left out (a rehearsal's graph is not a
+    rank's, and its memory is measured with its compile)."""
     return {k: (str(v).replace("mindspore.", "").lower() if k in ("param_dtype", "reduce_dtype") and v is not None
-                else v) for k, v in options.items()}
+                else v) for k, v in options.items() if k != "compile_cache"}
 
 
 class Planner:
