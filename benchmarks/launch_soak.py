@@ -1,13 +1,17 @@
 """Many launches of a short training run, to catch a rank that dies on the way to its first steps.
 
     .venv/bin/python benchmarks/launch_soak.py [--launches 30] [--launchers msrun,mpirun] [--stages 1,2,3]
-        [--steps 20] [--out runs/launch_soak]
+        [--steps 20] [--cold] [--out runs/launch_soak]
 
 Each launch trains examples/train_gpt.py (its stage-2 config's GPT, ``--stage`` cycling over ``--stages``,
 ``--steps`` steps, from nothing) on 2 ranks, with ``mindzero.launch.local`` (``msrun``, or ``mpirun -n 2 python
 -m mindzero.launch``), Python's ``faulthandler`` on in every rank (the launcher sets ``PYTHONFAULTHANDLER``) and
 core dumps allowed (``RLIMIT_CORE`` unlimited; a core lands in the launch's directory with this machine's
 ``core_pattern`` of ``core``). The launchers alternate, so a slow or busy minute of the machine touches both.
+
+``--cold``: before each launch, evict from the page cache every file of the Python installation, the environment's
+packages (MindSpore's libraries among them), mindzero and the examples (``posix_fadvise(POSIX_FADV_DONTNEED)``;
+needs no privilege, unlike ``/proc/sys/vm/drop_caches``), so that every launch starts as the first of a day does.
 
 Per launch: the launcher, the stage, seconds, and for a failed one the launcher's report (the rank that failed
 first, how: a signal with the Python stack ``faulthandler`` printed, an exception, a timeout) and any core file.
@@ -16,6 +20,7 @@ are removed (``--keep`` keeps all).
 """
 import argparse
 import json
+import os
 import resource
 import shutil
 import sys
@@ -30,8 +35,40 @@ SCRIPT = ROOT / "examples" / "train_gpt.py"
 CONFIG = ROOT / "examples" / "configs" / "gpt_stage2.yaml"
 
 
+def evict(roots) -> tuple:
+    """Drop the page cache of every regular file under ``roots``; ``(files, bytes)`` dropped."""
+    files = size = 0
+    for root in roots:
+        for path in Path(root).rglob("*"):
+            try:
+                if not path.is_file() or path.is_symlink():
+                    continue
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                files, size = files + 1, size + os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return files, size
+
+
+def cold_roots() -> list:
+    """Where a launch reads its code from: the Python installation, the environment's packages, mindzero, the
+    examples."""
+    import site
+    import sysconfig
+
+    return sorted({sysconfig.get_paths()["stdlib"], *site.getsitepackages(), str(ROOT / "mindzero"),
+                   str(ROOT / "examples")})
+
+
 def one(i: int, launcher: str, stage: int, out: Path, a) -> dict:
     run_dir = out / f"launch_{i:03d}_{launcher}_s{stage}"
+    if a.cold:
+        files, size = evict(cold_roots())
+        print(f"launch {i}: evicted {files} files ({size / 2 ** 30:.2f} GiB) from the page cache", flush=True)
     shutil.rmtree(run_dir, ignore_errors=True)
     args = ["--config", str(CONFIG), "--stage", str(stage), "--steps", str(a.steps), "--no-resume",
             "--out", str(run_dir)]  # the launcher waits for the markers the script writes there
@@ -71,6 +108,8 @@ def main(argv=None):
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--cold", action="store_true", help="evict the code's files from the page cache before each "
+                                                         "launch (the first launch of a day)")
     ap.add_argument("--keep", action="store_true", help="keep the directories of launches that passed")
     ap.add_argument("--out", default="runs/launch_soak")
     a = ap.parse_args(argv)
