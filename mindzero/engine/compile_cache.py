@@ -104,7 +104,9 @@ def step_key(step, args, config, world) -> str:
 
     add(ms.__version__, sys.version_info[:2], _package_digest(), ms.get_context("device_target"),
         sorted((k, v) for k, v in os.environ.items() if k.startswith("MS_DEV_")))
-    add(dataclasses.replace(config, compile_cache=None, verbose=False), world)
+    # where disk offload keeps its files and whether they stay shape no graph (a job's scratch path changes)
+    add(dataclasses.replace(config, compile_cache=None, verbose=False,
+                            offload=dataclasses.replace(config.offload, dir=None, keep=False)), world)
     for name, cell in step.cells_and_names():
         add(name, _cell_text(cell))
     for name, p in step.parameters_and_names():

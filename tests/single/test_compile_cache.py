@@ -58,6 +58,16 @@ def test_the_key_sees_what_shapes_the_graph_and_not_the_values():
     assert len(set(changed.values())) == len(changed)
 
 
+
+def test_the_key_ignores_where_disk_offload_keeps_its_files(tmp_path):
+    """A job's offload directory (often a per-job scratch path) shapes no graph: two directories, one key."""
+    keys = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        keys.append(key_of(stage=2, optimizer_offload="disk", offload_dir=str(tmp_path / name)))
+    assert keys[0] == keys[1] != key_of(stage=2)
+
+
 def run(stage, cache, env=None, model="gpt", optimizer="adam", options=None):
     """One fresh process training 3 steps; its RESULT and whether MindSpore loaded a cached graph."""
     args = [sys.executable, "-m", "tests.support.cached_step", model, optimizer, str(stage), str(cache)]
