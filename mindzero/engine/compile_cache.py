@@ -229,9 +229,9 @@ def _package_digest() -> str:
 
 
 @contextlib.contextmanager
-def cached_compile(option, step, args, config, world):
+def cached_compile(step, args, config, world):
     """Compile ``step`` for ``step(*args)`` inside this context with MindSpore's compile cache in
-    ``<option>/<key>/`` (:func:`step_key`), then restore MindSpore's setting. A directory without its completion
+    ``<config.compile_cache>/<key>/`` (:func:`step_key`), then restore MindSpore's setting. A directory without its completion
     mark (a killed compile) is removed first; the mark is written once the compile returned and MindSpore's files
     are there.
 
@@ -240,7 +240,7 @@ def cached_compile(option, step, args, config, world):
     process the step compiles without any (:func:`without_process_cache`).
     """
     global _LATCHED
-    if option is None or process_wide_cache():
+    if config.compile_cache is None or process_wide_cache():
         with without_process_cache():
             yield
         return
@@ -252,7 +252,7 @@ def cached_compile(option, step, args, config, world):
         yield
         return
     key = step_key(step, args, config, world)
-    directory = (Path(option) / key[:24]).resolve()
+    directory = (Path(config.compile_cache) / key[:24]).resolve()
     if _LATCHED is not None and _LATCHED != directory:
         logger.warning("compile_cache: the train step compiles without the cache: MindSpore keeps one cache "
                        "directory per process, and this process's is %s (a train step built with other settings "
@@ -287,21 +287,20 @@ def _entry_script() -> str:
 
 @contextlib.contextmanager
 def _cache_set(setting, switch, path):
+    """Inside: MindSpore's compile-cache setting (``None``: not set, its environment variable decides), its switch in
+    the C++ context and its path, set as ``set_context`` sets them (without its notice that the setting moves to an
+    environment variable); after: the three as they were."""
     context, param = ms.context._context(), ms.context.ms_ctx_param
+
+    def put(setting, switch, path):
+        context.enable_compile_cache = setting
+        context.set_param(param.enable_compile_cache, switch)
+        context.set_param(param.compile_cache_path, path)
+
     previous = (context.enable_compile_cache, context.get_param(param.enable_compile_cache),
                 context.get_param(param.compile_cache_path))
-    _set_cache(setting, switch, path)
+    put(setting, switch, path)
     try:
         yield
     finally:
-        _set_cache(*previous)
-
-
-def _set_cache(setting, switch, path) -> None:
-    """MindSpore's compile-cache setting (``None``: not set, its environment variable decides), its switch in the
-    C++ context and its path, as ``set_context`` sets them (without its notice that the setting moves to an
-    environment variable)."""
-    context, param = ms.context._context(), ms.context.ms_ctx_param
-    context.enable_compile_cache = setting
-    context.set_param(param.enable_compile_cache, switch)
-    context.set_param(param.compile_cache_path, path)
+        put(*previous)

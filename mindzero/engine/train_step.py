@@ -256,7 +256,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         config, world = self.zero_info.config, self.zero_info.world
         # MindSpore calls compile at every call: only the first compile looks for the step in compile_cache
         cache = without_process_cache() if self._cache_looked else \
-            cached_compile(config.compile_cache, self, args, config, world)
+            cached_compile(self, args, config, world)
         with _execution_order(self.exec_order), explain_dtype_errors(self.network, config.precision), cache:
             compiled = super().compile(*args, **kwargs)
         self._cache_looked = True
