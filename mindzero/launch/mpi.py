@@ -20,12 +20,15 @@ PMI (MPICH, Intel MPI: ``PMI_RANK``/``PMI_SIZE``) or Slurm (``SLURM_PROCID``/
 ``SLURM_NTASKS``). Under ``msrun`` (``MS_ROLE`` already set) the script just runs.
 
 Without ``--master-port`` every rank derives the same port from the launcher's
-job id; two jobs on one host could still pick the same one, so pass the port
-explicitly (``-x MS_SCHED_PORT=P`` or ``--master-port P``) when that matters.
+job id, below Linux's range of ephemeral ports (so no outgoing connection holds it); two jobs on one host
+could still pick the same one, so pass the port explicitly (``-x MS_SCHED_PORT=P`` or ``--master-port P``)
+when that matters. Rank 0 fails at once, naming the port, when its host cannot listen on it or the scheduler
+exits before it listens: MindSpore's workers would otherwise retry for half an hour.
 """
 import argparse
 import atexit
 import ctypes
+import errno
 import hashlib
 import os
 import runpy
@@ -42,7 +45,7 @@ LAUNCHER_ENV = (
     ("PMI", "PMI_RANK", "PMI_SIZE", ("PMI_JOBID", "PMIX_NAMESPACE")),
     ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", ("SLURM_JOB_ID",)),
 )
-PORT_RANGE = (20000, 40000)
+PORT_RANGE = (20000, 32768)  # below Linux's ephemeral ports (ip_local_port_range starts at 32768)
 SCHEDULER_WAIT = 60.0  # seconds rank 0 waits for the scheduler to finish after its own worker ended
 SCHEDULER_LISTEN_WAIT = 60.0  # seconds rank 0 waits for the scheduler it started to accept connections
 
@@ -102,6 +105,41 @@ def start_scheduler(env: dict, log_path: Path) -> subprocess.Popen:
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
 
 
+def check_port_free(host: str, port: int, given: bool) -> None:
+    """Raise ``RuntimeError`` if something on this host already listens on (or holds) ``host:port``, where the
+    scheduler is to listen. MindSpore's scheduler then fails to bind and its workers retry registering for half an
+    hour (measured: a port held by another listener, by a client socket, or by a scheduler of another job all hung
+    the launch). ``given``: the port came from the user, not derived from the job id."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except socket.gaierror:
+            return  # a name this host cannot resolve: the scheduler reports it
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                return  # e.g. not an address of this host: the scheduler reports it
+            where = "given" if given else "derived from the job id"
+            raise RuntimeError(f"MS_SCHED_PORT={port} ({where}): {host}:{port} is already in use on this host, so "
+                               "MindSpore's scheduler cannot listen there; pass a free port (--master-port P or "
+                               "mpirun -x MS_SCHED_PORT=P)") from None
+
+
+def scheduler_failed(scheduler: subprocess.Popen, log_path: Path, host: str, port: int) -> None:
+    """Raise ``RuntimeError`` if the scheduler has exited (before any worker could register): its exit code and
+    the end of its log."""
+    code = scheduler.poll()
+    if code is None:
+        return
+    try:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+    except OSError:
+        tail = "(no log)"
+    raise RuntimeError(f"MindSpore's scheduler for {host}:{port} exited with code {code} before the job started "
+                       f"(usually: the port is in use, or the address is not one of this host's); the end of "
+                       f"{log_path}:\n{tail}")
+
+
 def wait_for_scheduler(scheduler: subprocess.Popen, host: str, port: int,
                        timeout: float = SCHEDULER_LISTEN_WAIT) -> None:
     """Return once the scheduler accepts connections (or has exited, or ``timeout`` passed). MindSpore's worker
@@ -139,11 +177,15 @@ def main(argv=None):
         return 0
     family, rank, size, job = launcher_rank()
     env = cluster_env(rank, size, job, a.master_addr, a.master_port)
+    port_given = bool(a.master_port or os.environ.get("MS_SCHED_PORT"))
     os.environ.update(env)
     scheduler = None
     if rank == 0:
-        scheduler = start_scheduler(env, Path(a.log_dir) / "scheduler.log")
-        wait_for_scheduler(scheduler, env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]))
+        host, port, log = env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]), Path(a.log_dir) / "scheduler.log"
+        check_port_free(host, port, port_given)
+        scheduler = start_scheduler(env, log)
+        wait_for_scheduler(scheduler, host, port)
+        scheduler_failed(scheduler, log, host, port)
         # registered before MindSpore is imported, so it runs after MindSpore's own exit handler
         # has unregistered this worker (the scheduler waits for that before it ends)
         atexit.register(_reap, scheduler)

@@ -93,6 +93,42 @@ def test_dead_rank_ends_the_job_naming_it(tmp_path, launcher, nodes, n, victim, 
         assert f"deliberate failure on rank {victim}" in text, text
 
 
+
+def test_mpirun_with_its_port_in_use_fails_at_once_naming_it(tmp_path):
+    """``mpirun ... python -m mindzero.launch`` whose scheduler port another process listens on: rank 0 refuses it
+    before starting MindSpore's scheduler and mpirun ends the job (MindSpore's workers alone retried registering
+    for half an hour)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.fail("mpirun not found: scripts/setup_env.sh installs Debian's openmpi-bin")
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    root = str(WORKERS.parents[1])  # the workers import tests.support
+    env = {**os.environ, "MS_SCHED_PORT": str(port),
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    start = time.monotonic()
+    try:
+        exported = ["-x", "PATH", "-x", "PYTHONPATH", "-x", "MS_SCHED_PORT"]
+        done = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", *exported,
+                               sys.executable, "-m", "mindzero.launch", "--log-dir", str(tmp_path),
+                               str(WORKERS / "worker_fail.py"), "--out", str(tmp_path), "--mode", "raise",
+                               "--victim", "1"], env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        holder.close()
+    took = time.monotonic() - start
+    text = done.stdout + done.stderr
+    assert done.returncode != 0, text
+    assert f"MS_SCHED_PORT={port} (given): 127.0.0.1:{port} is already in use on this host" in text, text
+    assert not (tmp_path / "scheduler.log").exists(), "a scheduler was started on a port in use"
+    assert took < 120, f"the job took {took:.0f}s to end"
+
 def test_shaped_link_slows_the_collectives_by_the_bytes_over_the_rate(tmp_path):
     """``link=``: the ranks run behind a loopback of 200 Mbit/s shared by all of them. The all-reduces take at
     least the ring's bytes over the rate (unshaped they take milliseconds here) and the namespace's counter saw at

@@ -37,9 +37,89 @@ def test_cluster_env():
 
 def test_job_port_is_shared_and_in_range():
     assert job_port("a") == job_port("a")
-    assert all(20000 <= job_port(str(i)) < 40000 for i in range(200))
+    # below Linux's ephemeral ports (32768 up): no outgoing connection of this host can hold a derived port
+    assert all(20000 <= job_port(str(i)) < 32768 for i in range(200))
     assert len({job_port(str(i)) for i in range(200)}) > 150
 
+
+
+def _held(kind):
+    """A loopback port held by ``kind``: a listening socket (another server, or a scheduler of another job), or a
+    connected client socket bound to it (as an outgoing connection holds its local port). Returns the sockets and
+    the port."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    if kind == "listener":
+        return [server], server.getsockname()[1]
+    client = socket.socket()
+    client.bind(("127.0.0.1", 0))
+    client.connect(server.getsockname())
+    accepted, _ = server.accept()
+    return [server, client, accepted], client.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind", ["listener", "client"])
+@pytest.mark.parametrize("given, where", [(True, "given"), (False, "derived from the job id")])
+def test_a_port_in_use_is_refused_naming_it(kind, given, where):
+    """MindSpore's scheduler cannot bind a port something else holds, and its workers then retry for half an hour
+    (measured with each of these holders): rank 0 refuses the port first, naming it and the way out."""
+    from mindzero.launch.local import free_port
+    from mindzero.launch.mpi import check_port_free
+
+    socks, port = _held(kind)
+    try:
+        with pytest.raises(RuntimeError, match=rf"MS_SCHED_PORT={port} \({where}\): 127.0.0.1:{port} is already "
+                                               r"in use on this host.*--master-port P"):
+            check_port_free("127.0.0.1", port, given)
+    finally:
+        for s in socks:
+            s.close()
+    check_port_free("127.0.0.1", free_port(), given)  # a free port passes
+    check_port_free("192.0.2.1", free_port(), given)  # not this host's address: left to the scheduler to report
+
+
+def test_a_scheduler_that_exited_is_reported_with_its_log(tmp_path):
+    from mindzero.launch.mpi import scheduler_failed
+
+    class Proc:
+        def __init__(self, code):
+            self.code = code
+
+        def poll(self):
+            return self.code
+
+    log = tmp_path / "scheduler.log"
+    log.write_text("".join(f"line {i}\n" for i in range(40)) + "RuntimeError: Failed to initialize cluster\n")
+    scheduler_failed(Proc(None), log, "127.0.0.1", 1234)  # still running: nothing to say
+    with pytest.raises(RuntimeError, match=r"scheduler for 127.0.0.1:1234 exited with code 1 before the job "
+                                           r"started") as err:
+        scheduler_failed(Proc(1), log, "127.0.0.1", 1234)
+    assert "Failed to initialize cluster" in str(err.value) and "line 39" in str(err.value)
+    assert "line 10\n" not in str(err.value)  # the end of the log, not all of it
+    with pytest.raises(RuntimeError, match=r"\(no log\)"):
+        scheduler_failed(Proc(1), tmp_path / "missing.log", "127.0.0.1", 1234)
+
+
+def test_rank0_refuses_a_held_port_before_it_starts_a_scheduler(monkeypatch, tmp_path):
+    import mindzero.launch.mpi as launch
+
+    started = []
+    socks, port = _held("listener")
+    monkeypatch.setattr(launch, "launcher_rank", lambda: ("OpenMPI", 0, 2, "7"))
+    monkeypatch.setattr(launch, "start_scheduler", lambda env, log: started.append(env))
+    monkeypatch.setattr(launch, "run_script", lambda *a: started.append("script"))
+    monkeypatch.delenv("MS_ROLE", raising=False)
+    monkeypatch.setattr(launch.os, "environ", dict(launch.os.environ))
+    try:
+        with pytest.raises(RuntimeError, match=rf"MS_SCHED_PORT={port} \(given\)"):
+            launch.main(["--log-dir", str(tmp_path), "--master-port", str(port), "script.py"])
+    finally:
+        for s in socks:
+            s.close()
+    assert started == []
 
 def test_first_failure_picks_the_earliest_msrun_report():
     out = ("[ERROR] ME(1:2,MainProcess):2026-11-21-10:16:45.802.000 [x.py:365] Worker process 40 exit with "
@@ -73,6 +153,9 @@ def test_rank0_keeps_the_scheduler_when_the_script_exits_cleanly(monkeypatch, tm
 
         def kill(self):
             Scheduler.kills += 1
+
+        def poll(self):
+            return None  # running
 
         def wait(self, timeout):
             return 0
