@@ -8,6 +8,8 @@ Each launch trains examples/train_gpt.py (its stage-2 config's GPT, ``--stage`` 
 -m mindzero.launch``), Python's ``faulthandler`` on in every rank (the launcher sets ``PYTHONFAULTHANDLER``) and
 core dumps allowed (``RLIMIT_CORE`` unlimited; a core lands in the launch's directory with this machine's
 ``core_pattern`` of ``core``). The launchers alternate, so a slow or busy minute of the machine touches both.
+``mpirun-user`` launches as the docs tell users to: ``mpirun -n 2 python -m mindzero.launch SCRIPT ARGS``, no port
+given (the ranks derive it from the job id), the ranks' output through mpirun's.
 
 ``--cold``: before each launch, evict from the page cache every file of the Python installation, the environment's
 packages (MindSpore's libraries among them), mindzero and the examples (``posix_fadvise(POSIX_FADV_DONTNEED)``;
@@ -64,6 +66,42 @@ def cold_roots() -> list:
                    str(ROOT / "examples")})
 
 
+def as_user(run_dir: Path, args, timeout: float) -> None:
+    """``mpirun -n 2 python -m mindzero.launch SCRIPT ARGS`` as the docs give it to users: no port (each rank
+    derives it from the job id), the ranks' output through mpirun's own (no per-rank files), ``faulthandler`` on.
+    Raises ``LaunchError`` with mpirun's report and the end of its output unless it ended well and every rank
+    wrote its marker."""
+    import subprocess
+
+    from mindzero.launch.logs import first_failure
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "MS_SCHED_PORT"}
+    env.update(PYTHONFAULTHANDLER="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    root = ["--allow-run-as-root", "--oversubscribe"] if os.geteuid() == 0 else ["--oversubscribe"]
+    log = run_dir / "mpirun.log"
+    with open(log, "w") as f:
+        job = subprocess.Popen(["mpirun", *root, "-n", "2", sys.executable, "-m", "mindzero.launch", "--log-dir",
+                                str(run_dir), str(SCRIPT), *args], env=env, cwd=run_dir, stdout=f,
+                               stderr=subprocess.STDOUT)
+        try:
+            code = job.wait(timeout)
+        except subprocess.TimeoutExpired:
+            import psutil  # a MindSpore dependency
+
+            procs = psutil.Process(job.pid).children(recursive=True) + [psutil.Process(job.pid)]
+            for proc in procs:  # mpirun and every rank it started
+                proc.kill()
+            psutil.wait_procs(procs, timeout=10)
+            code = f"timed out after {timeout:.0f}s"
+    text = log.read_text(errors="replace")
+    done = all((run_dir / f"rank_{r}.done").exists() for r in range(2))
+    if code != 0 or not done:
+        failed = first_failure(text, {})
+        how = f"rank {failed[0]} failed first ({failed[1]})" if failed else f"mpirun ended: {code}"
+        raise LaunchError(f"{how}; markers written: {done}\n--- end of {log}:\n" + "\n".join(text.splitlines()[-30:]))
+
+
 def one(i: int, launcher: str, stage: int, out: Path, a) -> dict:
     run_dir = out / f"launch_{i:03d}_{launcher}_s{stage}"
     if a.cold:
@@ -75,7 +113,10 @@ def one(i: int, launcher: str, stage: int, out: Path, a) -> dict:
     t = time.time()
     row = dict(launch=i, launcher=launcher, stage=stage, ok=True, report="")
     try:
-        launch(SCRIPT, 2, run_dir, args, timeout=a.timeout, launcher=launcher)
+        if launcher == "mpirun-user":
+            as_user(run_dir, args, a.timeout)
+        else:
+            launch(SCRIPT, 2, run_dir, args, timeout=a.timeout, launcher=launcher)
     except LaunchError as err:
         row.update(ok=False, report=str(err).split("\n--- ")[0])
         row["cores"] = [str(p) for p in run_dir.rglob("core*") if p.is_file()]
@@ -104,7 +145,9 @@ def markdown(rows) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--launches", type=int, default=30, help="launches per launcher")
-    ap.add_argument("--launchers", default="msrun,mpirun")
+    ap.add_argument("--launchers", default="msrun,mpirun",
+                    help="among msrun, mpirun (a free port passed, per-rank logs) and mpirun-user (the command line "
+                         "the docs give: no port, the ranks' output through mpirun's)")
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--timeout", type=float, default=600)
