@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from .link import LinkNamespace, LinkShape, LinkUnavailable
-from .logs import (fault_location, fault_phase, first_failure, log_tail, log_text, rank_log, rank_output,
-                   record_ranks)
+from .logs import first_failure, log_tail, log_text, rank_log, rank_output, record_ranks, with_fault
 
 # the directory holding this mindzero package (a source checkout or site-packages): workers import this copy
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
@@ -290,10 +289,7 @@ def _first_to_fail(out_dir, world_size: int, launcher_out: str, pid_ranks: dict,
     if first is None:
         raised = [r for r in range(world_size) if "Traceback" in log_text(out_dir, r)]
         first = ((raised or missing or [0])[0], "raised" if raised else "did not finish")
-    rank, how = first
-    text = log_text(out_dir, rank)
-    where = fault_location(text)
-    return (rank, f"{how}; {where}; phase: {fault_phase(text)}") if where else first
+    return with_fault(first, log_text(out_dir, first[0]))
 
 
 def msrun(script, world_size: int, out_dir, args=(), timeout: float = 900.0, **options) -> Path:

@@ -1,9 +1,15 @@
 """Reading a launched job's logs (pure): which process is which rank, where each rank's output is, the rank
-that failed first by the launchers' own reports, and what a rank printed."""
+that failed first by the launchers' own reports, and what a rank printed.
+
+``python -m mindzero.launch.logs JOB.log`` reads what ``mpirun ... python -m mindzero.launch`` printed (saved
+with ``2>&1 | tee JOB.log``) and names the rank that failed first, how, and for a crash where its Python was and
+the phase (every rank started through ``mindzero.launch`` prints its stack when it crashes)."""
 from __future__ import annotations
 
+import argparse
 import re
 import signal
+import sys
 from pathlib import Path
 
 #: what a rank's death by these signals usually means (the launcher's report names it)
@@ -148,6 +154,7 @@ def fault_phase(text: str) -> str:
     if stack is None:
         return ""
     paths = [(path.replace("\\", "/"), func) for path, _, func in stack[1]]
+    paths = [(path, func) for path, func in paths if "/mindzero/launch/" not in path]  # the launcher runs every script
     for path, func in paths:
         for suffix, name, phase in PHASES:
             if func == name and path.endswith(suffix):
@@ -160,7 +167,34 @@ def fault_phase(text: str) -> str:
     return "the script's own code (no mindzero or MindSpore frame on the stack)"
 
 
+def with_fault(first: tuple, text: str) -> tuple:
+    """``first`` (``(rank, how)``) with, for a crash, where the rank's Python was and the phase added to ``how``,
+    from the ``faulthandler`` stack in ``text`` (that rank's output)."""
+    rank, how = first
+    where = fault_location(text)
+    return (rank, f"{how}; {where}; phase: {fault_phase(text)}") if where else first
+
+
+def main(argv=None) -> int:
+    """Print the failure report of a job from its launcher's output file; exit status 1 if it names no failure."""
+    ap = argparse.ArgumentParser(prog="python -m mindzero.launch.logs", description=__doc__.split("\n\n")[1])
+    ap.add_argument("output", help="what the launcher printed, e.g. `mpirun ... 2>&1 | tee job.log`")
+    a = ap.parse_args(argv)
+    text = Path(a.output).read_text(errors="replace")
+    first = first_failure(text, {})
+    if first is None:
+        print(f"{a.output}: no rank that failed (no launcher report of an exit status or a signal)")
+        return 1
+    rank, how = with_fault(first, text)
+    print(f"rank {rank} failed first ({how})")
+    return 0
+
+
 def rank_output(out_dir, rank: int = 0) -> str:
     """What ``rank`` printed, without MindSpore's log lines."""
     return "\n".join(l for l in log_text(out_dir, rank).splitlines()
                      if not l.startswith(("[WARNING]", "[INFO]", "[ERROR]", "[DEBUG]")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,6 +29,7 @@ import argparse
 import atexit
 import ctypes
 import errno
+import faulthandler
 import hashlib
 import os
 import runpy
@@ -172,6 +173,8 @@ def main(argv=None):
     ap.add_argument("script")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
+    if not faulthandler.is_enabled():  # a rank that crashes prints its Python stack (python -m mindzero.launch.logs)
+        faulthandler.enable()
     if os.environ.get("MS_ROLE"):  # started by msrun (or set up by hand): nothing to map
         run_script(a.script, a.args)
         return 0

@@ -129,6 +129,38 @@ def test_mpirun_with_its_port_in_use_fails_at_once_naming_it(tmp_path):
     assert not (tmp_path / "scheduler.log").exists(), "a scheduler was started on a port in use"
     assert took < 120, f"the job took {took:.0f}s to end"
 
+
+def test_a_crash_under_a_users_mpirun_line_is_named_from_its_output(tmp_path, capsys):
+    """The docs' command line with nothing else (no ``PYTHONFAULTHANDLER``, the ranks' output through mpirun's):
+    a rank that crashes in native code prints its Python stack (``mindzero.launch`` turns ``faulthandler`` on), and
+    ``python -m mindzero.launch.logs`` names the rank, the signal, the frame and the phase from the saved output."""
+    import os
+    import subprocess
+    import sys
+
+    from mindzero.launch.logs import main
+
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.fail("mpirun not found: scripts/setup_env.sh installs Debian's openmpi-bin")
+    root = str(WORKERS.parents[1])  # the workers import tests.support
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER", "MS_SCHED_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    done = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m",
+                           "mindzero.launch", "--log-dir", str(tmp_path), str(WORKERS / "worker_fail.py"), "--out",
+                           str(tmp_path), "--mode", "segv", "--victim", "1"], env=env, cwd=tmp_path,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    job = tmp_path / "job.log"
+    job.write_text(done.stdout)
+    assert done.returncode != 0, done.stdout
+    assert "Fatal Python error: Segmentation fault" in done.stdout, done.stdout
+    assert main([str(job)]) == 0
+    report = capsys.readouterr().out
+    assert report.startswith("rank 1 failed first (killed by signal 11 (SIGSEGV: a crash in native code); "
+                             "Segmentation fault in string_at"), report
+    assert "<- first_step (worker_fail.py:" in report, report
+    assert "phase: the script's own code (no mindzero or MindSpore frame on the stack)" in report, report
+
 def test_shaped_link_slows_the_collectives_by_the_bytes_over_the_rate(tmp_path):
     """``link=``: the ranks run behind a loopback of 200 Mbit/s shared by all of them. The all-reduces take at
     least the ring's bytes over the rate (unshaped they take milliseconds here) and the namespace's counter saw at

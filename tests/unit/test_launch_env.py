@@ -271,6 +271,11 @@ SITE = "/venv/lib/python3.11/site-packages"
     ([("/src/mindzero/comm/groups.py", "rehearse")], "inside mindzero, outside the phases it names"),
     ([("/usr/lib/python3.11/ctypes/__init__.py", "string_at"), ("/job/train.py", "first_step")],
      "the script's own code (no mindzero or MindSpore frame on the stack)"),
+    # under mpirun every script runs inside mindzero.launch: its frames are not the script's phase
+    ([("/usr/lib/python3.11/ctypes/__init__.py", "string_at"), ("/job/train.py", "first_step"),
+      ("<frozen runpy>", "run_path"), (f"{SITE}/mindzero/launch/mpi.py", "run_script"),
+      (f"{SITE}/mindzero/launch/mpi.py", "main")],
+     "the script's own code (no mindzero or MindSpore frame on the stack)"),
 ])
 def test_the_phase_a_rank_died_in_is_the_innermost_known_frame(frames, phase):
     assert fault_phase(_stack(*frames)) == phase
@@ -279,3 +284,25 @@ def test_the_phase_a_rank_died_in_is_the_innermost_known_frame(frames, phase):
 def test_no_stack_no_phase():
     assert fault_phase("Traceback (most recent call last):\n  File \"x.py\", line 1 in f\n") == ""
     assert fault_phase(FAULT) == "the script's own code (no mindzero or MindSpore frame on the stack)"
+
+
+def test_the_reader_names_the_failed_rank_of_a_saved_mpirun_output(tmp_path, capsys):
+    """``python -m mindzero.launch.logs JOB.log``: what a user's ``mpirun ... | tee JOB.log`` saved -> the rank, the
+    signal, where its Python was and the phase; a file without a failure says so and exits 1."""
+    from mindzero.launch.logs import main
+
+    job = tmp_path / "job.log"
+    job.write_text("rank 0 training\n" + _stack(("/usr/lib/python3.11/ctypes/__init__.py", "string_at"),
+                                                 (f"{SITE}/mindspore/nn/cell.py", "compile"),
+                                                 ("/src/mindzero/engine/train_step.py", "compile"),
+                                                 ("/src/mindzero/launch/mpi.py", "run_script"))
+                   + "mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 11 (Segmentation "
+                     "fault).\n")
+    assert main([str(job)]) == 0
+    assert capsys.readouterr().out == (
+        "rank 1 failed first (killed by signal 11 (SIGSEGV: a crash in native code); Segmentation fault in string_at "
+        "(__init__.py:7) <- compile (cell.py:7) <- compile (train_step.py:7) <- run_script (mpi.py:7); phase: "
+        "compiling the train step's graph)\n")
+    job.write_text("rank 0 training\nrank 1 training\n")
+    assert main([str(job)]) == 1
+    assert "no rank that failed" in capsys.readouterr().out
