@@ -108,9 +108,10 @@ def start_scheduler(env: dict, log_path: Path) -> subprocess.Popen:
 
 def check_port_free(host: str, port: int, given: bool) -> None:
     """Raise ``RuntimeError`` if something on this host already listens on (or holds) ``host:port``, where the
-    scheduler is to listen. MindSpore's scheduler then fails to bind and its workers retry registering for half an
-    hour (measured: a port held by another listener, by a client socket, or by a scheduler of another job all hung
-    the launch). ``given``: the port came from the user, not derived from the job id."""
+    scheduler is to listen. MindSpore's scheduler then fails to bind (measured with a port held by another listener
+    and by a connected client socket) and its workers retry registering for half an hour (measured: a launch whose
+    port another listener or another job's scheduler held hung). ``given``: the port came from the user, not derived
+    from the job id."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds: TIME_WAIT is no conflict
         try:
