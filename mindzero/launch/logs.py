@@ -3,7 +3,9 @@ that failed first by the launchers' own reports, and what a rank printed.
 
 ``python -m mindzero.launch.logs JOB.log`` reads what ``mpirun ... python -m mindzero.launch`` printed (saved
 with ``2>&1 | tee JOB.log``) and names the rank that failed first, how, and for a crash where its Python was and
-the phase (every rank started through ``mindzero.launch`` prints its stack when it crashes)."""
+the phase (every rank started through ``mindzero.launch`` prints its stack when it crashes); the same from what
+``msrun --join=True`` printed (with ``PYTHONFAULTHANDLER=1`` exported before msrun); given one rank's log (msrun's
+``worker_<r>.log``), where that rank crashed."""
 from __future__ import annotations
 
 import argparse
@@ -175,15 +177,28 @@ def with_fault(first: tuple, text: str) -> tuple:
     return (rank, f"{how}; {where}; phase: {fault_phase(text)}") if where else first
 
 
+_MS_RANK = re.compile(r"DISTRIBUTED\((\d+),[^)]*\).*This node \d+ rank id: (\d+)")
+
+
+def pid_ranks_in(text: str) -> dict:
+    """``{pid: rank}`` from MindSpore's own lines in a job's output (``DISTRIBUTED(PID,...) ... This node N rank id:
+    R``, which msrun's ``--join`` output repeats from every worker's log)."""
+    return {int(pid): int(rank) for pid, rank in _MS_RANK.findall(text)}
+
+
 def main(argv=None) -> int:
     """Print the failure report of a job from its launcher's output file; exit status 1 if it names no failure."""
     ap = argparse.ArgumentParser(prog="python -m mindzero.launch.logs", description=__doc__.split("\n\n")[1])
     ap.add_argument("output", help="what the launcher printed, e.g. `mpirun ... 2>&1 | tee job.log`")
     a = ap.parse_args(argv)
     text = Path(a.output).read_text(errors="replace")
-    first = first_failure(text, {})
+    first = first_failure(text, pid_ranks_in(text))
     if first is None:
-        print(f"{a.output}: no rank that failed (no launcher report of an exit status or a signal)")
+        where = fault_location(text)  # one rank's own log (msrun's worker_<r>.log): its stack, no launcher report
+        if where:
+            print(f"{a.output}: {where}; phase: {fault_phase(text)}")
+            return 0
+        print(f"{a.output}: no rank that failed (no launcher report of an exit status or a signal, no crash stack)")
         return 1
     rank, how = with_fault(first, text)
     print(f"rank {rank} failed first ({how})")

@@ -303,6 +303,25 @@ def test_the_reader_names_the_failed_rank_of_a_saved_mpirun_output(tmp_path, cap
         "rank 1 failed first (killed by signal 11 (SIGSEGV: a crash in native code); Segmentation fault in string_at "
         "(__init__.py:7) <- compile (cell.py:7) <- compile (train_step.py:7) <- run_script (mpi.py:7); phase: "
         "compiling the train step's graph)\n")
+    msrun = tmp_path / "msrun.log"  # msrun --join: the workers' lines name their pids' ranks, msrun names the pid
+    msrun.write_text(
+        "[WARNING] DISTRIBUTED(20698,7f8c,python):2026-11-29-15:49:45.848.054 [cluster_context.cc:428] PostProcess] "
+        "This node 1 rank id: 1\n"
+        "[WARNING] DISTRIBUTED(20696,7fd7,python):2026-11-29-15:49:48.679.861 [cluster_context.cc:428] PostProcess] "
+        "This node 0 rank id: 0\n"
+        + _stack(("/usr/lib/python3.11/ctypes/__init__.py", "string_at"), ("/job/train.py", "first_step"))
+        + "[ERROR] ME(20690:1398,MainProcess):2026-11-29-15:49:49.174.000 [_api.py:365] Worker process 20698 exit "
+          "with exception. Error code: -11.\n")
+    assert main([str(msrun)]) == 0
+    assert capsys.readouterr().out.startswith("rank 1 failed first (killed by signal 11 (SIGSEGV: a crash in native "
+                                              "code); Segmentation fault in string_at (__init__.py:7) <- first_step")
+    worker = tmp_path / "worker_1.log"  # msrun's log of one rank: its stack, no launcher report
+    worker.write_text(_stack(("/usr/lib/python3.11/ctypes/__init__.py", "string_at"),
+                             (f"{SITE}/mindspore/communication/management.py", "init")))
+    assert main([str(worker)]) == 0
+    assert capsys.readouterr().out == (f"{worker}: Segmentation fault in string_at (__init__.py:7) <- init "
+                                       "(management.py:7); phase: joining the cluster "
+                                       "(mindspore.communication.init)\n")
     job.write_text("rank 0 training\nrank 1 training\n")
     assert main([str(job)]) == 1
     assert "no rank that failed" in capsys.readouterr().out
