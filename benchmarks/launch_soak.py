@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from mindzero.launch.local import LaunchError, launch  # noqa: E402
+from mindzero.launch.local import LaunchError, kill_tree, launch  # noqa: E402
 
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 CONFIG = ROOT / "examples" / "configs" / "gpt_stage2.yaml"
@@ -73,7 +73,7 @@ def as_user(run_dir: Path, args, timeout: float) -> None:
     wrote its marker."""
     import subprocess
 
-    from mindzero.launch.logs import first_failure
+    from mindzero.launch.logs import first_failure, with_fault
 
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "MS_SCHED_PORT"}
@@ -87,18 +87,13 @@ def as_user(run_dir: Path, args, timeout: float) -> None:
         try:
             code = job.wait(timeout)
         except subprocess.TimeoutExpired:
-            import psutil  # a MindSpore dependency
-
-            procs = psutil.Process(job.pid).children(recursive=True) + [psutil.Process(job.pid)]
-            for proc in procs:  # mpirun and every rank it started
-                proc.kill()
-            psutil.wait_procs(procs, timeout=10)
+            kill_tree(job.pid)  # mpirun and every rank it started
             code = f"timed out after {timeout:.0f}s"
     text = log.read_text(errors="replace")
     done = all((run_dir / f"rank_{r}.done").exists() for r in range(2))
     if code != 0 or not done:
         failed = first_failure(text, {})
-        how = f"rank {failed[0]} failed first ({failed[1]})" if failed else f"mpirun ended: {code}"
+        how = "rank {} failed first ({})".format(*with_fault(failed, text)) if failed else f"mpirun ended: {code}"
         raise LaunchError(f"{how}; markers written: {done}\n--- end of {log}:\n" + "\n".join(text.splitlines()[-30:]))
 
 

@@ -41,7 +41,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kill_tree(pid: int) -> None:
+def kill_tree(pid: int) -> None:
     """Kill a launcher and every process it started: msrun's workers run in sessions of their own,
     so killing msrun's process group alone leaves them behind."""
     import psutil  # a MindSpore dependency
@@ -276,7 +276,7 @@ def _supervise(job: _Job, timeout: float, memory: Optional[MemoryWatch], what: s
 def _end(job: _Job, kill: bool) -> None:
     if kill:
         for p in job.procs:
-            _kill_tree(p.pid)
+            kill_tree(p.pid)
     for p, o in zip(job.procs, job.outs):
         p.wait()
         o.close()

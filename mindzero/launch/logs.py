@@ -148,6 +148,10 @@ PHASES = (
 )
 
 
+#: the files of ``python -m mindzero.launch``, whose frames hold every script it runs: no phase of their own
+_LAUNCHER_FILES = ("mindzero/launch/mpi.py", "mindzero/launch/__main__.py")
+
+
 def fault_phase(text: str) -> str:
     """The phase a rank was in when a signal killed it, from its ``faulthandler`` stack (see
     :func:`fault_location`): the innermost frame :data:`PHASES` knows; else whose code it was in; ``""`` without a
@@ -156,7 +160,7 @@ def fault_phase(text: str) -> str:
     if stack is None:
         return ""
     paths = [(path.replace("\\", "/"), func) for path, _, func in stack[1]]
-    paths = [(path, func) for path, func in paths if "/mindzero/launch/" not in path]  # the launcher runs every script
+    paths = [(path, func) for path, func in paths if not path.endswith(_LAUNCHER_FILES)]
     for path, func in paths:
         for suffix, name, phase in PHASES:
             if func == name and path.endswith(suffix):

@@ -93,6 +93,23 @@ def test_dead_rank_ends_the_job_naming_it(tmp_path, launcher, nodes, n, victim, 
         assert f"deliberate failure on rank {victim}" in text, text
 
 
+def _users_mpirun(tmp_path, mode: str, env: dict):
+    """The docs' command line, ``mpirun -n 2 python -m mindzero.launch worker_fail.py`` (rank 1 failing by ``mode``),
+    in ``env`` (the workers' ``PYTHONPATH`` added) with the ranks' output through mpirun's: the finished process."""
+    import os
+    import subprocess
+    import sys
+
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.fail("mpirun not found: scripts/setup_env.sh installs Debian's openmpi-bin")
+    root = str(WORKERS.parents[1])  # the workers import tests.support
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))}
+    return subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m",
+                           "mindzero.launch", "--log-dir", str(tmp_path), str(WORKERS / "worker_fail.py"), "--out",
+                           str(tmp_path), "--mode", mode, "--victim", "1"], env=env, cwd=tmp_path,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+
 
 def test_mpirun_with_its_port_in_use_fails_at_once_naming_it(tmp_path):
     """``mpirun ... python -m mindzero.launch`` whose scheduler port another process listens on: rank 0 refuses it
@@ -100,32 +117,20 @@ def test_mpirun_with_its_port_in_use_fails_at_once_naming_it(tmp_path):
     for half an hour)."""
     import os
     import socket
-    import subprocess
-    import sys
 
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.fail("mpirun not found: scripts/setup_env.sh installs Debian's openmpi-bin")
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     port = holder.getsockname()[1]
-    root = str(WORKERS.parents[1])  # the workers import tests.support
-    env = {**os.environ, "MS_SCHED_PORT": str(port),
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     start = time.monotonic()
     try:
-        exported = ["-x", "PATH", "-x", "PYTHONPATH", "-x", "MS_SCHED_PORT"]
-        done = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", *exported,
-                               sys.executable, "-m", "mindzero.launch", "--log-dir", str(tmp_path),
-                               str(WORKERS / "worker_fail.py"), "--out", str(tmp_path), "--mode", "raise",
-                               "--victim", "1"], env=env, capture_output=True, text=True, timeout=300)
+        done = _users_mpirun(tmp_path, "raise", {**os.environ, "MS_SCHED_PORT": str(port)})
     finally:
         holder.close()
     took = time.monotonic() - start
-    text = done.stdout + done.stderr
-    assert done.returncode != 0, text
-    assert f"MS_SCHED_PORT={port} (given): 127.0.0.1:{port} is already in use on this host" in text, text
+    assert done.returncode != 0, done.stdout
+    assert f"MS_SCHED_PORT={port} (given): 127.0.0.1:{port} is already in use on this host" in done.stdout, \
+        done.stdout
     assert not (tmp_path / "scheduler.log").exists(), "a scheduler was started on a port in use"
     assert took < 120, f"the job took {took:.0f}s to end"
 
@@ -135,21 +140,11 @@ def test_a_crash_under_a_users_mpirun_line_is_named_from_its_output(tmp_path, ca
     a rank that crashes in native code prints its Python stack (``mindzero.launch`` turns ``faulthandler`` on), and
     ``python -m mindzero.launch.logs`` names the rank, the signal, the frame and the phase from the saved output."""
     import os
-    import subprocess
-    import sys
 
     from mindzero.launch.logs import main
 
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.fail("mpirun not found: scripts/setup_env.sh installs Debian's openmpi-bin")
-    root = str(WORKERS.parents[1])  # the workers import tests.support
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONFAULTHANDLER", "MS_SCHED_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    done = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m",
-                           "mindzero.launch", "--log-dir", str(tmp_path), str(WORKERS / "worker_fail.py"), "--out",
-                           str(tmp_path), "--mode", "segv", "--victim", "1"], env=env, cwd=tmp_path,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    done = _users_mpirun(tmp_path, "segv", {k: v for k, v in os.environ.items()
+                                            if k not in ("PYTHONFAULTHANDLER", "MS_SCHED_PORT")})
     job = tmp_path / "job.log"
     job.write_text(done.stdout)
     assert done.returncode != 0, done.stdout
@@ -160,6 +155,7 @@ def test_a_crash_under_a_users_mpirun_line_is_named_from_its_output(tmp_path, ca
                              "Segmentation fault in string_at"), report
     assert "<- first_step (worker_fail.py:" in report, report
     assert "phase: the script's own code (no mindzero or MindSpore frame on the stack)" in report, report
+
 
 def test_shaped_link_slows_the_collectives_by_the_bytes_over_the_rate(tmp_path):
     """``link=``: the ranks run behind a loopback of 200 Mbit/s shared by all of them. The all-reduces take at

@@ -58,7 +58,6 @@ def test_the_key_sees_what_shapes_the_graph_and_not_the_values():
     assert len(set(changed.values())) == len(changed)
 
 
-
 def test_the_key_ignores_where_disk_offload_keeps_its_files(tmp_path):
     """A job's offload directory (often a per-job scratch path) shapes no graph: two directories, one key."""
     keys = []

@@ -42,7 +42,6 @@ def test_job_port_is_shared_and_in_range():
     assert len({job_port(str(i)) for i in range(200)}) > 150
 
 
-
 def _held(kind):
     """A loopback port held by ``kind``: a listening socket (another server, or a scheduler of another job), or a
     connected client socket bound to it (as an outgoing connection holds its local port). Returns the sockets and
@@ -120,6 +119,7 @@ def test_rank0_refuses_a_held_port_before_it_starts_a_scheduler(monkeypatch, tmp
         for s in socks:
             s.close()
     assert started == []
+
 
 def test_first_failure_picks_the_earliest_msrun_report():
     out = ("[ERROR] ME(1:2,MainProcess):2026-11-21-10:16:45.802.000 [x.py:365] Worker process 40 exit with "
