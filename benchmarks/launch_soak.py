@@ -1,7 +1,7 @@
 """Many launches of a short training run, to catch a rank that dies on the way to its first steps.
 
     .venv/bin/python benchmarks/launch_soak.py [--launches 30] [--launchers msrun,mpirun] [--stages 1,2,3]
-        [--steps 20] [--cold] [--out runs/launch_soak]
+        [--steps 20] [--cold] [--fresh] [--out runs/launch_soak]
 
 Each launch trains examples/train_gpt.py (its stage-2 config's GPT, ``--stage`` cycling over ``--stages``,
 ``--steps`` steps, from nothing) on 2 ranks, with ``mindzero.launch.local`` (``msrun``, or ``mpirun -n 2 python
@@ -14,6 +14,9 @@ given (the ranks derive it from the job id), the ranks' output through mpirun's.
 ``--cold``: before each launch, evict from the page cache every file of the Python installation, the environment's
 packages (MindSpore's libraries among them), mindzero and the examples (``posix_fadvise(POSIX_FADV_DONTNEED)``;
 needs no privilege, unlike ``/proc/sys/vm/drop_caches``), so that every launch starts as the first of a day does.
+``--fresh``: before each launch, also remove what a new machine has not built before its first launch (matplotlib's
+font cache, the bytecode of mindzero and the examples). ``--steps 0``: the config's whole run (800 steps, a checkpoint
+every 200 and the older ones removed, then rank 0's merge, sample and plot).
 
 Per launch: the launcher, the stage, seconds, and for a failed one the launcher's report (the rank that failed
 first, how: a signal with the Python stack ``faulthandler`` printed, an exception, a timeout) and any core file.
@@ -66,6 +69,18 @@ def cold_roots() -> list:
                    str(ROOT / "examples")})
 
 
+def freshen() -> list:
+    """Remove what a new machine's first launch does not find yet: matplotlib's caches (its font list, which the
+    example's rank 0 builds when it plots) and the compiled bytecode of mindzero and the examples (which both
+    ranks then write at once). The paths removed."""
+    home = Path.home()
+    gone = [p for p in (home / ".cache" / "matplotlib", home / ".config" / "matplotlib") if p.exists()]
+    gone += [p for top in ("mindzero", "examples") for p in (ROOT / top).rglob("__pycache__")]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
 def as_user(run_dir: Path, args, timeout: float) -> None:
     """``mpirun -n 2 python -m mindzero.launch SCRIPT ARGS`` as the docs give it to users: no port (each rank
     derives it from the job id), the ranks' output through mpirun's own (no per-rank files), ``faulthandler`` on.
@@ -102,9 +117,12 @@ def one(i: int, launcher: str, stage: int, out: Path, a) -> dict:
     if a.cold:
         files, size = evict(cold_roots())
         print(f"launch {i}: evicted {files} files ({size / 2 ** 30:.2f} GiB) from the page cache", flush=True)
+    if a.fresh:
+        print(f"launch {i}: removed {len(freshen())} caches a new machine has not built yet", flush=True)
     shutil.rmtree(run_dir, ignore_errors=True)
-    args = ["--config", str(CONFIG), "--stage", str(stage), "--steps", str(a.steps), "--no-resume",
-            "--out", str(run_dir)]  # the launcher waits for the markers the script writes there
+    steps = ["--steps", str(a.steps)] if a.steps else []  # 0: the config's own run, its checkpoints on the way
+    # --out: the launcher waits for the markers the script writes there
+    args = ["--config", str(CONFIG), "--stage", str(stage), *steps, "--no-resume", "--out", str(run_dir)]
     t = time.time()
     row = dict(launch=i, launcher=launcher, stage=stage, ok=True, report="")
     try:
@@ -144,10 +162,13 @@ def main(argv=None):
                     help="among msrun, mpirun (a free port passed, per-rank logs) and mpirun-user (the command line "
                          "the docs give: no port, the ranks' output through mpirun's)")
     ap.add_argument("--stages", default="1,2,3")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=20, help="steps per launch; 0: the config's own (800, a checkpoint "
+                                                           "every 200)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--cold", action="store_true", help="evict the code's files from the page cache before each "
                                                          "launch (the first launch of a day)")
+    ap.add_argument("--fresh", action="store_true", help="remove matplotlib's caches and the code's bytecode before "
+                                                          "each launch (what a new machine has not built yet)")
     ap.add_argument("--keep", action="store_true", help="keep the directories of launches that passed")
     ap.add_argument("--out", default="runs/launch_soak")
     a = ap.parse_args(argv)
