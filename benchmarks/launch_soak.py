@@ -1,4 +1,4 @@
-"""Many launches of a short training run, to catch a rank that dies on the way to its first steps.
+"""Many launches of a training run, to catch a rank that dies on the way to its first steps or after.
 
     .venv/bin/python benchmarks/launch_soak.py [--launches 30] [--launchers msrun,mpirun] [--stages 1,2,3]
         [--steps 20] [--cold] [--fresh] [--out runs/launch_soak]
@@ -69,12 +69,23 @@ def cold_roots() -> list:
                    str(ROOT / "examples")})
 
 
+def matplotlib_dirs() -> list:
+    """Where matplotlib keeps its configuration and its caches (the font list), found as matplotlib finds them
+    (``MPLCONFIGDIR``, else the XDG directories or their defaults under the home directory), without importing it
+    (which would build them)."""
+    if os.environ.get("MPLCONFIGDIR"):
+        return [Path(os.environ["MPLCONFIGDIR"])]
+    home = Path.home()
+    return [Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache") / "matplotlib",
+            Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "matplotlib"]
+
+
 def freshen() -> list:
     """Remove what a new machine's first launch does not find yet: matplotlib's caches (its font list, which the
-    example's rank 0 builds when it plots) and the compiled bytecode of mindzero and the examples (which both
-    ranks then write at once). The paths removed."""
-    home = Path.home()
-    gone = [p for p in (home / ".cache" / "matplotlib", home / ".config" / "matplotlib") if p.exists()]
+    example's rank 0 builds when it plots; rebuilt by the next import) and the compiled bytecode of mindzero and the
+    examples (which both ranks then write at once, unless ``PYTHONDONTWRITEBYTECODE`` is set). The paths
+    removed."""
+    gone = [p for p in matplotlib_dirs() if p.exists()]
     gone += [p for top in ("mindzero", "examples") for p in (ROOT / top).rglob("__pycache__")]
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
