@@ -68,7 +68,8 @@ def tutorial(a, world):
     ms.set_seed(0)
     net = tutorial_net(a.layers, a.width)
     opt = nn.Adam(net.trainable_params(), learning_rate=0.01)
-    if a.config == "dp":
+    if a.config == "dp":  # its gradients are all-reduced only under MindSpore's DATA_PARALLEL context
+        ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
         train = nn.TrainOneStepCell(net, opt)
         train.set_train()
     else:

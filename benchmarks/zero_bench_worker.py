@@ -81,6 +81,9 @@ def parse_args():
     ap.add_argument("--persistence", type=int, default=100_000, help="the threshold of a 'p' configuration")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=10, help="steps after the first")
+    ap.add_argument("--mode", choices=("graph", "pynative"), default="graph",
+                    help="MindSpore's execution mode; plain DP in PyNative is value_and_grad with "
+                    "DistributedGradReducer, as MindSpore documents it (graph mode: nn.TrainOneStepCell)")
     add_model_args(ap)
     ap.add_argument("--bucket-mib", type=float, default=0, help="comm_fusion bucket (MiB) for all kinds; 0: off")
     ap.add_argument("--no-regather", action="store_true")
@@ -175,14 +178,51 @@ def dp_comm(net, world):
     return {op: s[op] for op in s}
 
 
+class PlainDataParallel:
+    """Plain data parallel in PyNative as MindSpore documents it: ``value_and_grad`` over the optimizer's parameters,
+    ``DistributedGradReducer``'s mean over the world, then the optimizer. Called like ``nn.TrainOneStepCell``."""
+
+    def __init__(self, net, opt):
+        import mindspore as ms
+        from mindspore import nn
+
+        self.grad_fn = ms.value_and_grad(net, None, opt.parameters)
+        self.reducer = nn.DistributedGradReducer(opt.parameters, mean=True)
+        self.opt = opt
+
+    def __call__(self, *inputs):
+        loss, grads = self.grad_fn(*inputs)
+        self.opt(self.reducer(grads))
+        return loss
+
+
+def plain_dp(net, opt, mode: str):
+    """Plain data parallel's step: ``nn.TrainOneStepCell`` under MindSpore's DATA_PARALLEL context (the context is
+    what makes it all-reduce its gradients; mindzero needs none) in graph mode, :class:`PlainDataParallel` in
+    PyNative."""
+    import mindspore as ms
+    from mindspore import nn
+
+    if mode == "pynative":
+        net.set_train()
+        return PlainDataParallel(net, opt)
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+    train = nn.TrainOneStepCell(net, opt)
+    train.set_train()
+    return train
+
+
 def main():
     a = parse_args()
+    import mindspore as ms
     from mindspore import Tensor, nn
 
     import mindzero
     from mindzero.core.comm_plan import summarize
 
-    world = mindzero.start_data_parallel()
+    if a.mode == "pynative" and a.split_compile:
+        raise SystemExit("--split-compile: PyNative compiles nothing ahead (use graph mode)")
+    world = mindzero.start_data_parallel(mode=ms.PYNATIVE_MODE if a.mode == "pynative" else ms.GRAPH_MODE)
     phases = Phases()
     phases.end("init")
     net, opt = build(a, a.lazy)
@@ -198,8 +238,7 @@ def main():
     if a.config == "dp":
         if a.pretrained:
             load_plain(net, a.pretrained)
-        train = nn.TrainOneStepCell(net, opt)
-        train.set_train()
+        train = plain_dp(net, opt, a.mode)
     else:
         fusion = None
         if a.bucket_mib:
@@ -253,7 +292,8 @@ def main():
             phases.end("first_step")
     if a.steps:
         phases.end("steady")
-    result = dict(config=a.config, world=world.world_size, rank=world.world_rank, phi=phi, trainable=trainable,
+    result = dict(config=a.config, mode=a.mode, world=world.world_size, rank=world.world_rank, phi=phi,
+                  trainable=trainable,
                   lora=a.lora, pretrained=bool(a.pretrained), lazy=a.lazy,
                   first_step_s=times[0] + (compile_s or 0.0), compile_s=compile_s, first_execution_s=times[0],
                   times=times[1:], losses=losses, phases=phases.rows,

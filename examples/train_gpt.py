@@ -94,7 +94,11 @@ def run_plain_dp(cfg, ids, tok, world, log):
         raise ValueError("zero.plain_dp: true needs train.clip_grad: false and train.gradient_accumulation_steps: 1 "
                          "(MindSpore's nn.TrainOneStepCell does neither; docs/parity.md)")
     net, opt = build_network(cfg, tok.vocab_size)
+    # nn.TrainOneStepCell all-reduces its gradients only under MindSpore's DATA_PARALLEL context, which it reads
+    # when built; mindzero needs no such context, so it is set for this run alone
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
     train = nn.TrainOneStepCell(net, opt)
+    ms.reset_auto_parallel_context()
     train.set_train()
     data = batches(ids, t["batch"], cfg["model"]["seq"], world.world_rank, world.world_size, seed=1 + t["seed"])
     losses = []
@@ -275,13 +279,14 @@ def main():
     ap.add_argument("--stage", type=int, help="override zero.stage")
     ap.add_argument("--steps", type=int, help="override train.steps")
     ap.add_argument("--no-resume", action="store_true", help="start over; refuse an --out with checkpoints")
+    ap.add_argument("--device", help="CPU, GPU or Ascend (default: MINDZERO_DEVICE if set, else MindSpore's own)")
     ap.add_argument("--stop-after", type=int, default=0,
                     help="stop after this step as if interrupted (checkpoints stay; run again to resume)")
     args = ap.parse_args()
     cfg = load_config(args.config, args.stage)
     if args.steps:
         cfg["train"]["steps"] = args.steps
-    world = mindzero.start_data_parallel()
+    world = mindzero.start_data_parallel(device=args.device)
     log = (lambda msg: print(msg, flush=True)) if world.world_rank == 0 else (lambda msg: None)
     out = Path(args.out)
     text = make_corpus(cfg["data"]["sentences"], cfg["data"]["seed"])

@@ -46,6 +46,7 @@ def main():
     ap.add_argument("--config", default=str(Path(__file__).parent / "configs" / "gpt_model.yaml"))
     ap.add_argument("--out", default="runs/gpt_model")
     ap.add_argument("--epochs", type=int, help="override train.epochs")
+    ap.add_argument("--device", help="CPU, GPU or Ascend (default: MINDZERO_DEVICE if set, else MindSpore's own)")
     ap.add_argument("--stop-after", type=int, default=0,
                     help="stop after this step (ZeroCheckpoint saves there); run again to continue")
     args = ap.parse_args()
@@ -56,7 +57,7 @@ def main():
     m, d, t = cfg["model"], cfg["data"], cfg["train"]
     epochs = args.epochs or t["epochs"]
 
-    world = mindzero.start_data_parallel()
+    world = mindzero.start_data_parallel(device=args.device)
     text = make_corpus(d["sentences"], d["seed"])
     tok = CharTokenizer(text)
     ds.config.set_seed(d["seed"])  # the shuffle order: the same in a restarted run

@@ -35,6 +35,28 @@ BACKENDS = (SINGLE, EMULATED, COLLECTIVES, SUBSTITUTE, REHEARSAL)
 REAL_COLLECTIVE_DEVICES = ("GPU", "Ascend")  # devices on which MindSpore registers ReduceScatter kernels
 
 
+DEVICES = ("CPU", "GPU", "Ascend")  # MindSpore's device targets, as mindspore.set_device spells them
+DEVICE_VARIABLE = "MINDZERO_DEVICE"
+
+
+def requested_device(device, environ) -> "str | None":
+    """The device a user asked for, in MindSpore's spelling: ``device`` if given, else ``environ``'s
+    ``MINDZERO_DEVICE`` if set and not empty; ``None`` when neither asks (MindSpore's own choice stands: mindzero
+    calls no ``set_device``).
+
+    Raises:
+        ValueError: naming the argument (or the variable), the value and the devices accepted.
+    """
+    source, value = ("device", device) if device is not None else (DEVICE_VARIABLE, environ.get(DEVICE_VARIABLE))
+    if value is None or (source == DEVICE_VARIABLE and not str(value).strip()):
+        return None
+    by_name = {d.lower(): d for d in DEVICES}
+    if not isinstance(value, str) or value.strip().lower() not in by_name:
+        raise ValueError(f"{source}={value!r}: must be one of {', '.join(DEVICES)} (any case), or unset to keep "
+                         "MindSpore's own device")
+    return by_name[value.strip().lower()]
+
+
 def backend_for(device: str, world_size: int, substitute: bool = False) -> str:
     """The backend of a world of ``world_size`` ranks on ``device`` (``substitute``: the test-only stand-ins,
     which only a CPU world takes)."""
@@ -133,6 +155,64 @@ class World:
     def writes_shards(self) -> bool:
         """Replica 0 writes the shard files of a checkpoint (the other replicas hold the same shards)."""
         return self.dp_rank == 0
+
+    def routes(self) -> tuple:
+        """How each collective of a train step runs on this world's backend: :func:`collective_routes`."""
+        return collective_routes(self.backend, self.hybrid)
+
+
+# what a collective is on a backend (Route.kind)
+REAL = "real"  # MindSpore's own collective primitive, as named
+EMULATED_ROUTE = "emulated"  # a CPU stand-in with the same result: other primitives, more bytes
+SUBSTITUTED = "substituted"  # test-only: the GPU/Ascend code, its group primitives replaced by CPU-legal functions
+LOCAL = "local"  # no communication: one rank (identity) or a rehearsal (a local operation of the same shapes)
+#: the operations of a train step, in the order reports list them
+OPERATIONS = ("all-gather", "reduce-scatter", "all-reduce", "broadcast", "stage-3 gather", "int8 gather")
+
+
+@dataclass(frozen=True)
+class Route:
+    """One collective operation of a train step on one backend: ``runs`` (the MindSpore primitives that carry it)
+    and ``kind`` (:data:`REAL`, :data:`EMULATED_ROUTE`, :data:`SUBSTITUTED` or :data:`LOCAL`)."""
+
+    operation: str
+    runs: str
+    kind: str
+
+
+def collective_routes(backend: str, hybrid: bool = False) -> tuple:
+    """Every operation of :data:`OPERATIONS` as ``backend`` runs it (``hybrid``: op groups smaller than the world),
+    as :class:`Route` records: the one statement of what :mod:`mindzero.comm.backends` implements per backend, read
+    by the verbose plan, ``memory_report`` and ``python -m mindzero.env``.
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend in (SINGLE, REHEARSAL):
+        how = "identity (one rank)" if backend == SINGLE else "a local operation of the collective's shapes"
+        return tuple(Route(op, how, LOCAL) for op in OPERATIONS)
+    op = "op group" if hybrid else "world"
+    if backend == EMULATED:
+        rows = ("AllGather(world), the op group's rows kept", EMULATED_ROUTE) if hybrid else ("AllGather(world)", REAL)
+        return (Route("all-gather", *rows),
+                Route("reduce-scatter", "AllReduce(world) of the whole tensor, then this rank's slice", EMULATED_ROUTE),
+                Route("all-reduce", "AllReduce(world), SUM", REAL),
+                Route("broadcast", *(("AllGather(world), the root's row kept", EMULATED_ROUTE) if hybrid
+                                     else ("Broadcast(world)", REAL))),
+                Route("stage-3 gather", "AllGather(world); gradient: AllReduce(world), then this rank's slice",
+                      EMULATED_ROUTE),
+                Route("int8 gather", "AllGather(world) of int32 words (CPU has no int8 AllGather)", EMULATED_ROUTE))
+    group = REAL if backend == COLLECTIVES else SUBSTITUTED  # the substitute replaces the group primitives only
+    dp = " + AllReduce(dp group)" if hybrid else ""
+    return (Route("all-gather", f"AllGather({op})", group if hybrid else REAL),
+            Route("reduce-scatter", f"ReduceScatter({op}), SUM{dp}", group),
+            Route("all-reduce", "AllReduce(world), SUM", REAL),
+            Route("broadcast", *(("AllReduce(op group) of the root's values and zeros", group) if hybrid
+                                 else ("Broadcast(world)", REAL))),
+            Route("stage-3 gather", f"AllGather({op}); gradient: ReduceScatter({op}){dp}", group),
+            Route("int8 gather", f"AllGather({op}) of int8", group))
 
 
 class LayoutError(ValueError):

@@ -13,7 +13,7 @@ from mindspore import Tensor
 
 from ..comm.backends import backend_of
 from ..core.plan import PartitionPlan
-from ..core.topology import World
+from ..core.topology import BACKENDS, DEVICES, World
 
 
 def _digits(text: str, n: int) -> list:
@@ -22,21 +22,33 @@ def _digits(text: str, n: int) -> list:
 
 
 def check_same_plan(plan: PartitionPlan, world: World, stage: int) -> None:
-    """Fail with a message naming the first difference unless every rank built the same plan and stage.
+    """Fail with a message naming the first difference unless every rank runs on the same device and collective
+    backend and built the same plan and stage.
 
-    Communication: one all-gather of 5 numbers per rank; on a mismatch, one more of one number per
+    Communication: one all-gather of 7 numbers per rank; on a mismatch, one more of one number per
     parameter to locate it. Ranks that disagree would otherwise deadlock in mismatched collectives.
 
     Raises:
-        ValueError: naming this rank, the differing rank and the first differing parameter.
+        ValueError: naming every rank's device (or backend) where they differ; else this rank, the differing rank
+            and the first differing parameter.
     """
     if world.world_size == 1:
         return
-    rows = _rows_of_all_ranks(world, [float(len(plan)), float(stage)] + _digits(plan.fingerprint(), 3))
+    rows = _rows_of_all_ranks(world, [float(len(plan)), float(stage), float(_code(DEVICES, world.device)),
+                                      float(_code(BACKENDS, world.backend))] + _digits(plan.fingerprint(), 3))
     bad = [r for r in range(world.world_size) if not np.array_equal(rows[r], rows[0])]
     if not bad:
         return
     other = bad[0]
+    for column, what, names, remedy in (
+            (2, "device", DEVICES, "set it the same way on each (mindspore.set_device, or "
+                                   "start_data_parallel(device=...) / MINDZERO_DEVICE)"),
+            (3, "collective backend", BACKENDS, "turn the test-only substitute (MINDZERO_SUBSTITUTE_COLLECTIVES=1, "
+                                                "substitute_collectives()) on for all ranks or for none")):
+        if rows[other][column] != rows[0][column]:
+            on = ", ".join(f"rank {r} on {_name(names, rows[r][column])}" for r in range(world.world_size))
+            raise ValueError(f"rank {world.world_rank}: the ranks run on different {what}s ({on}); every rank must "
+                             f"run on the same {what}: {remedy}")
     if rows[other][1] != rows[0][1]:
         raise ValueError(f"rank {world.world_rank}: zero_stage differs across ranks (rank 0: {int(rows[0][1])}, "
                          f"rank {other}: {int(rows[other][1])}); every rank must prepare the same stage")
@@ -51,6 +63,15 @@ def check_same_plan(plan: PartitionPlan, world: World, stage: int) -> None:
     raise ValueError(f"rank {world.world_rank}: the networks differ across ranks at parameter #{index}: on this rank "
                      f"{spec.name!r} {spec.shape} {spec.dtype}, and rank {other} differs from rank 0 there; "
                      "every rank must build the same network and optimizer")
+
+
+def _code(names: tuple, name: str) -> int:
+    """``name``'s index in ``names`` (a device or a backend, shared as a number), ``len(names)`` if unknown."""
+    return names.index(name) if name in names else len(names)
+
+
+def _name(names: tuple, code: float) -> str:
+    return names[int(code)] if int(code) < len(names) else "another"
 
 
 def _rows_of_all_ranks(world: World, row: list):

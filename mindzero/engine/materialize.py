@@ -99,6 +99,23 @@ def _recording_set_data(self, data, slice_shape=False):
     return _ORIGINAL["set_data"](self, data, slice_shape)
 
 
+def _check_lazy_parameters(parameter_class) -> None:
+    """Refuse a MindSpore whose ``Parameter`` does not read the class flag ``init_param`` (what its own
+    ``no_init_parameters`` sets and this context relies on): there every Parameter would be materialised at once."""
+    import inspect
+
+    import mindspore as ms
+
+    from ..core.versions import require_feature
+
+    try:
+        reads_flag = "init_param" in inspect.getsource(parameter_class.__dict__["__new__"].__func__)
+    except (KeyError, AttributeError, OSError, TypeError):
+        reads_flag = False
+    require_feature(reads_flag, "Parameter.init_param (the flag mindspore.nn.utils.no_init_parameters sets)",
+                    ms.__version__, "mindzero.lazy_init()")
+
+
 @contextlib.contextmanager
 def lazy_init():
     """Build the network and its optimizer inside this context to leave their Parameters unmaterialised;
@@ -118,6 +135,7 @@ def lazy_init():
     from mindspore import Parameter
 
     if _DEPTH[0] == 0:
+        _check_lazy_parameters(Parameter)
         _ORIGINAL.update({"__new__": Parameter.__dict__["__new__"], "set_data": Parameter.__dict__["set_data"]})
         Parameter.__new__ = staticmethod(_recording_new)
         Parameter.set_data = _recording_set_data

@@ -9,12 +9,14 @@ from __future__ import annotations
 import gc
 import logging
 
+import mindspore as ms
 from mindspore import nn
 
 from ..comm.groups import world_for
 from ..core.config import ZeroConfig
 from ..core.options import OPTIONS, merge_settings, off_defaults
 from ..core.settings import resolve_settings
+from ..core.versions import check_mindspore
 from .assemble import assemble
 from .precision import check_precision, computing_in
 from .report import plan_text
@@ -124,8 +126,10 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
 
     Raises:
         ValueError / TypeError: bad arguments (the message names the argument, value and rule).
+        mindzero.core.versions.UnsupportedMindSpore: a MindSpore older than mindzero supports.
     """
     given = locals()
+    check_mindspore(ms.__version__)  # refuses one older than supported, warns once about one newer than tested
     zero = zero_config({o.name: given[o.name] for o in OPTIONS if o.argument}, config)
     if not isinstance(network, nn.Cell):
         raise TypeError(f"network must be a mindspore.nn.Cell, got {type(network).__name__}")

@@ -15,9 +15,13 @@ def memory_report(train_net) -> dict:
 
     Returns:
         ``{"parameters", "gradients", "optimizer_states", "optimizer_moments", "master_shards", "ema": int,
-        "expected": {same keys}, "stage": int, "op_size": int, "dp_size": int, "updates": {"flat", "owner",
+        "expected": {same keys}, "stage": int, "device": str, "backend": str, "collectives": {operation: {"runs",
+        "kind"}}, "op_size": int, "dp_size": int, "updates": {"flat", "owner",
         "whole": parameter counts}, "owned": int, "balance": {"per_rank": [bytes], "ideal": float, "ratio":
-        float}}``; ``optimizer_states`` is ``optimizer_moments + master_shards``. ``owned``: the owner-mode
+        float}}``; ``optimizer_states`` is ``optimizer_moments + master_shards``. ``device``: the device MindSpore
+        runs this rank on; ``backend`` and ``collectives``: how each collective runs there, MindSpore's own primitive
+        (``"real"``) or a CPU emulation of the same result (``"emulated"``; :func:`mindzero.core.topology.
+        collective_routes`). ``owned``: the owner-mode
         parameters this rank updates; ``balance``: the optimizer-state bytes (states only) of every op rank from
         the plan, and the largest over their mean.
     """
@@ -39,6 +43,9 @@ def memory_report(train_net) -> dict:
         "expected": expected_bytes(info.plan, info.config, {ps.name: ps.update for ps in info.params},
                                    info.world.op_rank, train_net.has_ema, splits_parameters(info.layout.optimizer)),
         "stage": info.config.zero_stage,
+        "device": info.world.device,  # the device MindSpore runs this rank on
+        "backend": info.world.backend,  # how its collectives run (mindzero.core.topology.BACKENDS)
+        "collectives": {r.operation: {"runs": r.runs, "kind": r.kind} for r in info.world.routes()},
         "op_size": info.world.op_size,  # the op group: what the shards divide by
         "dp_size": info.world.dp_size,
         "updates": {mode: sum(u.mode == mode for u in updates) for mode in ("flat", "owner", "whole")},
@@ -94,6 +101,7 @@ def plan_text(train_net) -> str:
                      f"({config.stage3.units.as_setting()!r}), one all-gather each; the largest unit "
                      f"{max(full) / mib:.3f} MiB gathered at once (transient; the largest parameter: "
                      f"{largest / mib:.3f} MiB)")
+    lines.append(routes_line(world))
     lines += updates_lines(info, report)
     for kind in ("parameters", "gradients", "optimizer_states"):
         lines.append(f"  {kind:<17} {report[kind] / mib:10.3f} MiB (plan {report['expected'][kind] / mib:.3f} MiB)")
@@ -104,6 +112,12 @@ def plan_text(train_net) -> str:
     lines.append(info.plan.summary())
     lines.append(format_comm(info.calls, info.real_calls if world.emulated else None))
     return "\n".join(lines)
+
+
+def routes_line(world) -> str:
+    """This rank's device and how each collective of the step runs on it (real, emulated, ...)."""
+    routes = "; ".join(f"{r.operation} {r.runs} [{r.kind}]" for r in world.routes())
+    return f"collectives on {world.device} ({world.backend} backend): {routes}"
 
 
 def updates_lines(info, report) -> list:

@@ -92,6 +92,21 @@ def test_resume_in_fresh_processes(runs, name):
                 np.testing.assert_allclose(resumed[k], straight[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_every_stage_trains_as_stage_0_without_the_parallel_context(runs, stage):
+    """The 2-rank training launch never sets MindSpore's auto-parallel context (``start_data_parallel`` sets none,
+    and no plain-DP reference runs in it: its ``parallel_mode`` stays ``stand_alone``): each stage trains the mixed
+    net as stage 0 does, bit for bit, every loss and every parameter after 3 and after 6 steps."""
+    for r in range(2):
+        ref, got = load(runs / "train2", r, "mixed-0"), load(runs / "train2", r, f"mixed-{stage}")
+        assert str(ref["parallel_mode"]) == str(got["parallel_mode"]) == "stand_alone", (r, got["parallel_mode"])
+        assert got["first"].tolist() == ref["first"].tolist() and got["last"].tolist() == ref["last"].tolist(), r
+        names = [k for k in ref if k.startswith(("saved/", "param/"))]
+        assert len(names) == 2 * len([k for k in ref if k.startswith("param/")]) > 0
+        for k in names:
+            np.testing.assert_array_equal(got[k], ref[k], err_msg=f"stage {stage} rank {r} {k}")
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_merge_loads_into_plain_network(runs, stage, tmp_path):
     import mindspore as ms

@@ -67,7 +67,8 @@ def main():
         if worker.args.phase == "train" and case.async_save:
             assert pending.wait() == Path(case.ckpt)
         result.update({"param/" + k: v for k, v in mindzero.gather_full_state_dict(train).items()})
-        np.savez(out_dir / f"{case.name}.npz", first=np.array(first), last=np.array(last), **result)
+        np.savez(out_dir / f"{case.name}.npz", first=np.array(first), last=np.array(last),
+                 parallel_mode=np.array(ms.get_auto_parallel_context("parallel_mode")), **result)
         print(f"case {case.name} done", flush=True)
     worker.finish()
 

@@ -17,14 +17,28 @@ from mindspore import nn
 import mindzero
 from tests.support.optimizers import BY_NAME, CASES, OptNet, build, stages_for
 from tests.support.tier import add_worker_flag
-from tests.support.worker import ReferenceStep, settle, start
+from tests.support.worker import ReferenceStep, plain_data_parallel, settle, start, without_parallel_context
 
 STEPS = 4
+
+
+def context_of(stage):
+    """Plain data parallel under MindSpore's DATA_PARALLEL context (what ``nn.TrainOneStepCell`` reduces by); mindzero
+    with the context unset, checked."""
+    if stage == "dp":
+        return plain_data_parallel()
+    without_parallel_context()
+    return contextlib.nullcontext()
 
 
 def train(case, stage, world, steps=STEPS, lazy=False):
     """``case``'s optimizer on OptNet: plain data parallel (``stage="dp"``) or mindzero at ``stage`` (``lazy``: the
     network and optimizer built under ``mindzero.lazy_init``)."""
+    with context_of(stage):
+        return _train(case, stage, world, steps, lazy)
+
+
+def _train(case, stage, world, steps, lazy):
     settle()
     with mindzero.lazy_init() if lazy else contextlib.nullcontext():
         net = build()
@@ -65,36 +79,37 @@ def contract(world, out_dir):
     for kind in ("nn.AdamWeightDecay", "mindone.CAME"):
         case = BY_NAME[kind]
         for stage in ("dp", 0, 1, 2, 3):
-            settle()
-            net = build()
-            before = [(id(p), p.name, tuple(p.shape)) for p in net.trainable_params()]
-            if stage == "dp" and kind == "nn.AdamWeightDecay":
-                ms.save_checkpoint(net, str(first))  # the weights a fine-tuning loads
-            opt = case.make(net.trainable_params())
-            step = nn.TrainOneStepCell(net, opt) if stage == "dp" else \
-                mindzero.prepare_train_network(net, opt, zero_stage=stage)
-            step.set_train()
-            after = [(id(p), p.name, tuple(p.shape)) for p in net.trainable_params()]
-            losses = []
-            for s in range(2):
-                out = step(*OptNet.batch(s, world.world_rank))
-                losses.append(float((out if stage == "dp" else out[0]).asnumpy()))
-            if stage == 3:
-                file = {k: v.tolist() for k, v in mindzero.gather_full_state_dict(step).items()}
-                mindzero.load_pretrained(step, str(first))
-            else:
-                saved = out_dir / f"network-{kind}-{stage}.ckpt"
-                ms.save_checkpoint(step.network if stage != "dp" else net, str(saved))
-                ms.load_checkpoint(str(first), net=step.network if stage != "dp" else net)  # start again from them
-                file = {k: v.asnumpy().tolist() for k, v in ms.load_checkpoint(str(saved)).items()}
-            for s in range(2, 5):
-                out = step(*OptNet.batch(s, world.world_rank))
-                losses.append(float((out if stage == "dp" else out[0]).asnumpy()))
-            final = mindzero.gather_full_state_dict(step) if stage == 3 else \
-                {p.name: p.asnumpy() for p in net.trainable_params()}
-            result[f"{kind}/{stage}"] = dict(same_objects=before == after and after == [
-                (id(p), p.name, tuple(p.shape)) for p in net.trainable_params()], losses=losses, saved=file,
-                final={k: v.tolist() for k, v in final.items()})
+            with context_of(stage):
+                settle()
+                net = build()
+                before = [(id(p), p.name, tuple(p.shape)) for p in net.trainable_params()]
+                if stage == "dp" and kind == "nn.AdamWeightDecay":
+                    ms.save_checkpoint(net, str(first))  # the weights a fine-tuning loads
+                opt = case.make(net.trainable_params())
+                step = nn.TrainOneStepCell(net, opt) if stage == "dp" else \
+                    mindzero.prepare_train_network(net, opt, zero_stage=stage)
+                step.set_train()
+                after = [(id(p), p.name, tuple(p.shape)) for p in net.trainable_params()]
+                losses = []
+                for s in range(2):
+                    out = step(*OptNet.batch(s, world.world_rank))
+                    losses.append(float((out if stage == "dp" else out[0]).asnumpy()))
+                if stage == 3:
+                    file = {k: v.tolist() for k, v in mindzero.gather_full_state_dict(step).items()}
+                    mindzero.load_pretrained(step, str(first))
+                else:
+                    saved = out_dir / f"network-{kind}-{stage}.ckpt"
+                    ms.save_checkpoint(step.network if stage != "dp" else net, str(saved))
+                    ms.load_checkpoint(str(first), net=step.network if stage != "dp" else net)  # start again from them
+                    file = {k: v.asnumpy().tolist() for k, v in ms.load_checkpoint(str(saved)).items()}
+                for s in range(2, 5):
+                    out = step(*OptNet.batch(s, world.world_rank))
+                    losses.append(float((out if stage == "dp" else out[0]).asnumpy()))
+                final = mindzero.gather_full_state_dict(step) if stage == 3 else \
+                    {p.name: p.asnumpy() for p in net.trainable_params()}
+                result[f"{kind}/{stage}"] = dict(same_objects=before == after and after == [
+                    (id(p), p.name, tuple(p.shape)) for p in net.trainable_params()], losses=losses, saved=file,
+                    final={k: v.tolist() for k, v in final.items()})
     (out_dir / "contract.json").write_text(json.dumps(result))
 
 

@@ -6,6 +6,7 @@ loss scales, final full parameters), ``<out>/rank_<r>/memory.json`` and finally
 ``<out>/rank_<r>.done``; ``test_parity.py`` compares them.
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -15,7 +16,7 @@ import numpy as np
 from mindspore import Tensor, nn
 
 import mindzero
-from mindzero.comm import AllGather, AnyRank, ReduceScatterSum
+from mindzero.comm import AllGather, AnyRank, ReduceScatterSum, substitute_collectives
 from tests.support.data import batch
 from tests.support.models import build, make_optimizer
 from tests.support.scenarios import NO_PERSISTENCE_CAP, parity_scenarios
@@ -143,6 +144,30 @@ def check_plan_mismatch(world, out_dir):
     (out_dir / "plan_mismatch.txt").write_text(message)
 
 
+def check_device_mismatch(world, out_dir):
+    """Ranks on different devices, or on different collective backends, are refused at prepare on every rank, naming
+    every rank's: the last rank reports another device (its ``device_target`` read as ``"GPU"``), then runs the
+    test-only substitute (the GPU/Ascend code) while the others run CPU's."""
+    import unittest.mock
+
+    import mindspore as ms
+
+    last = world.world_rank == world.world_size - 1
+    real = ms.get_context
+    as_gpu = lambda key: "GPU" if key == "device_target" else real(key)  # noqa: E731
+    messages = {}
+    for what, context in (("device", unittest.mock.patch.object(ms, "get_context", as_gpu)),
+                          ("backend", substitute_collectives())):
+        net = build("awkward")
+        try:
+            with context if last else contextlib.nullcontext():
+                mindzero.prepare_train_network(net, nn.Adam(net.trainable_params()), zero_stage=2)
+            messages[what] = ""
+        except ValueError as err:
+            messages[what] = str(err)
+    (out_dir / "device_mismatch.json").write_text(json.dumps(messages))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma-separated names of the scenarios to run (default: all); with it "
@@ -153,6 +178,7 @@ def main():
     world, out_dir = worker.world, worker.rank_dir
     check_collectives(world, out_dir)
     check_plan_mismatch(world, out_dir)
+    check_device_mismatch(world, out_dir)
     if not worker.args.only:
         checks = [count_collectives, count_unit_gathers]
         if worker.args.full_tier:  # the default suite: tests/single/test_optimizers.py, rank 0 of 2 rehearsed

@@ -78,11 +78,21 @@ def assert_same_run(got, ref, what, rtol=RTOL, loss_rtol=None, overflow=False):
 
 def assert_parity_checks(res: Results, n: int) -> None:
     """The checks every parity launch makes besides training (``worker_parity.py``): the collective Cells
-    against numpy on this world, and a plan that differs on the last rank refused on every rank, naming the
-    parameter, instead of a deadlock."""
+    against numpy on this world; a plan that differs on the last rank refused on every rank, naming the
+    parameter, instead of a deadlock; and so are ranks on different devices or collective backends, naming each
+    rank's."""
     for r in range(n):
         c = res.json(r, "collectives.json")
         assert c == dict(reduce_scatter_ok=True, all_gather_ok=True, any_rank_last=True, any_rank_none=False), (r, c)
         message = (res.out / f"rank_{r}" / "plan_mismatch.txt").read_text()
         assert f"rank {r}: the networks differ across ranks at parameter #" in message, (r, message)
         assert "'proj' (15, " in message and f"rank {n - 1} differs from rank 0" in message, (r, message)
+        devices = res.json(r, "device_mismatch.json")
+        on = ", ".join(f"rank {k} on {'GPU' if k == n - 1 else 'CPU'}" for k in range(n))
+        assert devices["device"] == (f"rank {r}: the ranks run on different devices ({on}); every rank must run on "
+                                     "the same device: set it the same way on each (mindspore.set_device, or "
+                                     "start_data_parallel(device=...) / MINDZERO_DEVICE)"), (r, devices)
+        on = ", ".join(f"rank {k} on {'substitute' if k == n - 1 else 'emulated'}" for k in range(n))
+        assert devices["backend"].startswith(f"rank {r}: the ranks run on different collective backends ({on}); "
+                                             "every rank must run on the same collective backend: turn the test-only "
+                                             "substitute"), (r, devices)

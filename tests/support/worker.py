@@ -60,7 +60,7 @@ class ReferenceStep:
         from mindspore.nn.wrap.grad_reducer import DistributedGradReducer
 
         grad_fn = ms.value_and_grad(net, None, opt.parameters)
-        reducer = DistributedGradReducer(opt.parameters)  # the mean (gradients_mean=True) over the world
+        reducer = DistributedGradReducer(opt.parameters, mean=True)  # the mean over the world
 
         @ms.jit
         def step(*inputs):
@@ -76,8 +76,42 @@ class ReferenceStep:
         return self.step(*inputs)
 
 
+@contextlib.contextmanager
+def plain_data_parallel():
+    """MindSpore's DATA_PARALLEL context with ``gradients_mean=True`` for the block, then the context as it was: what
+    ``nn.TrainOneStepCell`` reduces its gradients by (it reads the context when built). mindzero needs none:
+    ``start_data_parallel`` sets none, so a launch's mindzero scenarios run with the context unset (:func:`run`
+    checks it)."""
+    import mindspore as ms
+
+    before = {k: ms.get_auto_parallel_context(k) for k in ("parallel_mode", "gradients_mean")}
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+    try:
+        yield
+    finally:
+        ms.set_auto_parallel_context(**before)
+
+
+def without_parallel_context() -> None:
+    """Fail unless MindSpore's static-graph parallel context is unset (``stand_alone``), as mindzero's runs need."""
+    import mindspore as ms
+
+    mode = ms.get_auto_parallel_context("parallel_mode")
+    if mode != "stand_alone":
+        raise AssertionError(f"a mindzero run must need no auto-parallel context, but parallel_mode is {mode!r}")
+
+
 def run(scn, world) -> Run:
-    """Train ``scn`` on this rank of ``world`` (the whole world: data by world rank)."""
+    """Train ``scn`` on this rank of ``world`` (the whole world: data by world rank): plain DP under MindSpore's
+    DATA_PARALLEL context, mindzero's stages with the context unset."""
+    if scn.stage == "dp":
+        with plain_data_parallel():
+            return _run(scn, world)
+    without_parallel_context()
+    return _run(scn, world)
+
+
+def _run(scn, world) -> Run:
     settle()
     net = build(scn.model)
     init_params = {"init/" + p.name: p.asnumpy().copy() for p in net.trainable_params()}
