@@ -19,7 +19,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["mindzero", "mindzero.*"]),
     python_requires=">=3.9",
-    # numpy<2: MindSpore 2.7-2.10 are built against NumPy 1.x and fail under NumPy 2 (their metadata allows it)
+    # numpy<2: MindSpore 2.10 fails under NumPy 2 although its metadata allows it (2.7-2.9 declare numpy<2 themselves)
     install_requires=[VERSIONS["MINDSPORE_REQUIREMENT"], "numpy<2", "pyyaml", "psutil", "tqdm"],
     extras_require={
         "examples": ["matplotlib>=3.7,<4"],

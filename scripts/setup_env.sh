@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create a virtual environment (if missing) with MindSpore, then install mindzero into it with its test and
 # example extras, the way a user installs it beside the MindSpore they have: MindSpore first, then mindzero with
-# its dependencies resolved by pip, which must leave that MindSpore as it is (checked: the run fails otherwise).
+# its dependencies resolved by pip, which must leave that MindSpore as it is (checked, and so must the wheel and
+# the sdist built from this checkout: scripts/install_check.py; the run fails otherwise).
 #
 #   bash scripts/setup_env.sh                      # .venv with the default MindSpore (mindzero/core/versions.py)
 #   bash scripts/setup_env.sh --mindspore 2.8.0    # .venv-mindspore-2.8.0 with MindSpore 2.8.0
@@ -41,6 +42,8 @@ if [ "$got" != "$MINDSPORE" ]; then
   echo "setup_env.sh: installing mindzero changed MindSpore $MINDSPORE into $got" >&2
   exit 1
 fi
+# the wheel and the sdist of this checkout would leave it too (pip's dry run; nothing changes)
+"$VENV/bin/python" scripts/install_check.py --python "$VENV/bin/python" >&2
 # mindone's trainers (CAME, Muon) for the optimizer tests: its own dependencies (transformers, opencv, ...) are not
 # needed there (tests/support/optimizers.py loads the trainer modules from their files)
 "${PIP[@]}" --no-deps "mindone==0.5.0"

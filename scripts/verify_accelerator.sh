@@ -4,11 +4,13 @@
 #
 #   bash scripts/verify_accelerator.sh GPU|Ascend [OUT_DIR]
 #
-# Needs MindSpore built for that device already installed in the active Python (or in .venv); this script
-# does not install it (the CPU wheel pinned in requirements.txt cannot drive an accelerator). Every worker
-# started by the tests and benchmarks calls mindzero.start_data_parallel(), which reads MINDZERO_DEVICE.
-# Writes OUT_DIR/report.md (default runs/verify_accelerator): device, versions, the test summary, the
-# benchmark table; the raw logs beside it. Exit status: non-zero if any step failed.
+# Needs MindSpore for that device already installed in the active Python (or in .venv), with mindzero and its
+# test extras (pip install -e ".[test]"); this script installs nothing. Every worker started by the tests and
+# benchmarks calls mindzero.start_data_parallel(), which sets the device MINDZERO_DEVICE names.
+# Writes OUT_DIR/report.md (default runs/verify_accelerator): the environment report of 2 launched ranks
+# (mindzero-env --ranks 2: versions, devices, each collective run and checked, stages 0-3 trained against
+# stage 0), the test summary, the benchmark table; the raw logs beside it (docs/cluster.md says how to read it).
+# Exit status: non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEVICE="${1:-}"
@@ -29,6 +31,9 @@ import numpy as np
 print("mindspore", ms.__version__, "on", sys.argv[1], ops.add(Tensor(np.ones(2, np.float32)), 1).asnumpy())
 PYEOF
 status=0
+"$PY" -m mindzero.env --ranks 2 --device "$DEVICE" --json > "$OUT/env.json" 2> "$OUT/env.log" || status=1
+"$PY" -c 'import json, sys; from mindzero.env import format_report; print(format_report(json.load(open(sys.argv[1]))))' \
+  "$OUT/env.json" > "$OUT/env.txt" 2>> "$OUT/env.log" || status=1
 # the multi-rank parity tests: every stage, fused and unfused, mixed precision, accumulation, hybrid 2x2,
 # checkpoints; on an accelerator World.emulated is False, so each runs the real primitives
 "$PY" -m pytest -q -p no:cacheprovider tests/multirank/test_parity.py tests/multirank/test_hybrid.py \
@@ -40,6 +45,11 @@ status=0
   echo "- host: $(uname -n), python: $("$PY" -c 'import sys; print(sys.version.split()[0])')"
   echo "- mindspore: $("$PY" -c 'import mindspore as ms; print(ms.__version__)')"
   echo "- mindzero commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo
+  echo "## Environment and checks of 2 launched ranks (env.txt, env.json: mindzero-env --ranks 2)"
+  echo '```'
+  cat "$OUT/env.txt"
+  echo '```'
   echo
   echo "## Parity tests (tests.log, tests.xml)"
   echo '```'

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 
+import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, mint, nn
 from mindspore.experimental.optim import Optimizer as TorchStyleOptimizer
 
@@ -33,7 +34,7 @@ from ..core.checksum import crc32_array
 from ..core.optim_plan import StateSpec, state_layout
 
 OPTIMIZER_BASES = (nn.Optimizer, TorchStyleOptimizer)
-# optimizers whose update kernel MindSpore 2.10 does not register on CPU: class -> (kernel, what to use there)
+# optimizers whose update kernel MindSpore 2.7-2.10 do not register on CPU: class -> (kernel, what to use there)
 CPU_MISSING_KERNEL = {
     mint.optim.AdamW: ("AdamW", "mint.optim.Adam with weight_decay (L2, not decoupled) or nn.AdamWeightDecay "
                                 "(decoupled, as AdamW)"),
@@ -235,8 +236,8 @@ def check_optimizer(optimizer, network_params: dict, sharding: bool, device: str
     cls = type(optimizer)
     if device == "CPU" and cls in CPU_MISSING_KERNEL:
         kernel, instead = CPU_MISSING_KERNEL[cls]
-        raise ValueError(f"optimizer {cls.__module__}.{cls.__name__} cannot run on CPU: MindSpore 2.10 registers no "
-                         f"CPU kernel for its update op [{kernel}]; on CPU use {instead}")
+        raise ValueError(f"optimizer {cls.__module__}.{cls.__name__} cannot run on CPU: MindSpore {ms.__version__} "
+                         f"registers no CPU kernel for its update op [{kernel}]; on CPU use {instead}")
     inner = [c for c in optimizer.cells() if isinstance(c, OPTIMIZER_BASES)]
     if sharding and inner:
         raise ValueError(f"optimizer {cls.__name__} wraps another optimizer ({type(inner[0]).__name__}); zero_stage "

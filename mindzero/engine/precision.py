@@ -76,19 +76,19 @@ def check_precision(precision: MixedPrecision, optimizer, world) -> None:
     """Refuse a mixed-precision policy this run cannot honour.
 
     Raises:
-        ValueError: bfloat16 on CPU (MindSpore 2.10 has no bfloat16 Dense/MatMul kernels there), or an
+        ValueError: bfloat16 on CPU (MindSpore has no bfloat16 Dense/MatMul kernels there), or an
             optimized parameter that is not float32 (its fp32 master and states come from it).
     """
     if precision.reduce_dtype == "bfloat16" and not precision.enabled and world.device == "CPU":
         raise ValueError("reduce_dtype=bfloat16 is not supported on CPU: mindzero refuses bfloat16 there as it "
-                         "refuses param_dtype=bfloat16 (MindSpore 2.10 has no bfloat16 Dense/MatMul kernels on CPU; "
+                         f"refuses param_dtype=bfloat16 (MindSpore {ms.__version__} has no bfloat16 Dense/MatMul kernels on CPU; "
                          "its bfloat16 collectives are not verified there); use reduce_dtype=float16 with a loss "
                          "scale on CPU (bfloat16 on GPU/Ascend)")
     if not precision.enabled:
         return
     if precision.param_dtype == "bfloat16" and world.device == "CPU":
-        raise ValueError("param_dtype=bfloat16 is not supported on CPU: MindSpore 2.10 has no bfloat16 kernels for "
-                         "Dense/MatMul there; use param_dtype=float16 on CPU (bfloat16 on GPU/Ascend)")
+        raise ValueError(f"param_dtype=bfloat16 is not supported on CPU: MindSpore {ms.__version__} has no bfloat16 "
+                         "kernels for Dense/MatMul there; use param_dtype=float16 on CPU (bfloat16 on GPU/Ascend)")
     for p in optimizer.parameters:
         if str(p.dtype).lower() != "float32":
             raise ValueError(f"param_dtype={precision.param_dtype} needs the optimizer's parameters in float32 "

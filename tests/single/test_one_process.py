@@ -1,5 +1,7 @@
 """One process, no ``init()``: every stage runs with identity communication (group size 1) and equals
 plain training; PyNative; and bad input gets errors that name the argument, the value and the rule."""
+import re
+
 import numpy as np
 import pytest
 import mindspore as ms
@@ -370,7 +372,8 @@ def test_lamb_is_refused_on_cpu_naming_its_missing_kernel():
     kernel's name (on GPU/Ascend it is accepted and owned whole)."""
     net = build("mixed")
     with pytest.raises(ValueError, match=r"optimizer mindspore\.nn\.optim\.lamb\.Lamb cannot run on CPU: MindSpore "
-                                         r"2\.10 registers no CPU kernel for its update op \[Lamb\]"):
+                                         rf"{re.escape(ms.__version__)} registers no CPU kernel for its update op "
+                                         r"\[Lamb\]"):
         mindzero.prepare_train_network(net, nn.Lamb(net.trainable_params(), 1e-3), zero_stage=1)
 
 

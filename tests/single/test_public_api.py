@@ -46,7 +46,7 @@ def test_every_public_name_resolves():
 
 def test_every_console_script_resolves():
     scripts = [e for e in entry_points(group="console_scripts") if e.value.startswith("mindzero.")]
-    assert sorted(e.name for e in scripts) == ["mindzero-estimate", "mindzero-merge", "mindzero-plan",
+    assert sorted(e.name for e in scripts) == ["mindzero-env", "mindzero-estimate", "mindzero-merge", "mindzero-plan",
                                                "mindzero-reshard", "mindzero-verify"]
     for e in scripts:
         assert callable(e.load()), e

@@ -31,7 +31,8 @@ class Scenario:
     ``substitute``: the GPU/Ascend code path with CPU-legal primitives
     (:func:`mindzero.comm.substitute_collectives`). ``tier``: ``"default"``, or ``"full"``: a row the default
     suite leaves to the full tier (a sibling row of the default suite runs the same code path).
-    ``reference``: the scenario it must equal, where one is named by the row itself. With ``param_dtype`` in
+    ``reference``: the scenario it must equal, where one is named by the row itself. ``mode``: MindSpore's
+    execution mode of the run, ``"graph"`` or ``"pynative"`` (the same train step run op by op). With ``param_dtype`` in
     ``settings`` the network computes in fp16, converted as ``amp`` says: ``"O2"``: by the test, wholly
     (``mindspore.amp.auto_mixed_precision(net, "O2")``); ``"partial"``: by the test, the backbone of a
     ``WithLossCell`` only; ``"auto"``: not by the test (mindzero converts a network with no setup of its own).
@@ -48,6 +49,7 @@ class Scenario:
     amp: str = "O2"
     tier: str = DEFAULT
     reference: str = ""
+    mode: str = "graph"
 
     def __post_init__(self):
         if self.tier not in TIERS:
@@ -58,6 +60,8 @@ class Scenario:
             raise ValueError(f"scenario {self.name!r}: optimizer {self.optimizer!r} is unknown")
         if self.stage not in ("dp", 0, 1, 2, 3):
             raise ValueError(f"scenario {self.name!r}: stage must be 'dp' or 0-3, got {self.stage!r}")
+        if self.mode not in ("graph", "pynative"):
+            raise ValueError(f"scenario {self.name!r}: mode must be 'graph' or 'pynative', got {self.mode!r}")
         if self.amp not in ("O2", "partial", "auto"):
             raise ValueError(f"scenario {self.name!r}: amp must be 'O2', 'partial' or 'auto', got {self.amp!r}")
         if "zero_stage" in self.settings:
@@ -265,10 +269,22 @@ def parity_scenarios(world_size: int = 2, full_tier: bool = True) -> list:
         out.append(Scenario(f"mint-sgd-{stage}", "gpt", "mint_sgd", stage,
                             {**CLIP, "gradient_accumulation_steps": 2}, tier=tier))
     out += owner_scenarios(full)
+    if full:  # PyNative: the same step op by op, bit for bit the graph-mode run of each stage
+        out += PYNATIVE
     names = {s.name for s in out}
     # 4 ranks: the default tier's rows whose reference runs there (real-3 is not in the reduced matrix)
     out += [u for u in UNITS + PERSISTS if u.reference in names and (full or u.tier == DEFAULT)]
     return in_tier(out, full_tier)
+
+
+#: PyNative (2 ranks): the tied GPT at every stage (stage 2 in the full tier, :func:`single_micro`), each against
+#: PyNative stage 0, which is held against graph mode's; and stage 3 with accumulation against its graph-mode run.
+#: (The mixed net's recompute block is refused at stage 3 in PyNative: its recompute would lose the gather's gradient.)
+PYNATIVE = [Scenario("pyn-gpt-0", "gpt", "sgd_decay", 0, mode="pynative", reference="gpt-0"),
+            *(Scenario(f"pyn-gpt-{stage}", "gpt", "sgd_decay", stage, mode="pynative", reference="pyn-gpt-0",
+                       tier=single_micro(stage)) for stage in (1, 2, 3)),
+            Scenario("pyn-accum-3", "awkward", "adam", 3, {"gradient_accumulation_steps": 4}, mode="pynative",
+                     reference="accum-3")]
 
 
 HYBRID = {"hybrid_shard_size": 2}

@@ -103,12 +103,18 @@ def without_parallel_context() -> None:
 
 def run(scn, world) -> Run:
     """Train ``scn`` on this rank of ``world`` (the whole world: data by world rank): plain DP under MindSpore's
-    DATA_PARALLEL context, mindzero's stages with the context unset."""
+    DATA_PARALLEL context, mindzero's stages with the context unset, in the scenario's mode (graph mode after)."""
+    import mindspore as ms
+
     if scn.stage == "dp":
         with plain_data_parallel():
             return _run(scn, world)
     without_parallel_context()
-    return _run(scn, world)
+    ms.set_context(mode=ms.PYNATIVE_MODE if scn.mode == "pynative" else ms.GRAPH_MODE)
+    try:
+        return _run(scn, world)
+    finally:
+        ms.set_context(mode=ms.GRAPH_MODE)
 
 
 def _run(scn, world) -> Run:
