@@ -32,8 +32,9 @@ def run(seed, variant, a, out: Path) -> list:
     hist = run_dir / "stage_3" / "history.json"
     if not (a.reuse and hist.exists()):
         cfg = yaml.safe_load((ROOT / "examples" / "configs" / "gpt_stage2.yaml").read_text())
-        cfg["zero"] = {"stage": 3, **VARIANTS[variant]}
-        cfg["train"].update(steps=a.steps, gradient_accumulation_steps=1, seed=seed, save_every=0, log_every=50)
+        # the stage-2 config's clipping, one micro-batch per step
+        cfg["zero"] = {"zero_stage": 3, "clip_grad": True, "clip_norm": 1.0, **VARIANTS[variant]}
+        cfg["train"].update(steps=a.steps, seed=seed, save_every=0, log_every=50)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
         t = time.time()

@@ -7,12 +7,14 @@ or with msrun / mpirun directly (see docs/launch.md):
     msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --log_dir=logs --join=True \\
         examples/train_gpt.py --config examples/configs/gpt_stage2.yaml --out runs/gpt_stage2
 
-``zero.stage`` may be a list: the stages then run one after the other in one launch, from
-the same initial weights on the same data, and rank 0 prints a table comparing them; with
-``zero.plain_dp: true`` plain data parallel (MindSpore's ``nn.TrainOneStepCell``) runs first, and the
-table gives each stage's measured difference from it. Any other key under ``zero`` is a
-``prepare_train_network`` setting (e.g. ``gather_quantization: int8``, ``reduce_dtype: float16``,
-``scale_sense: 1024``); ``train.seed`` picks the initial weights and the data order (default 0).
+The config's ``zero`` section is mindzero's own settings file format, read and validated by
+``mindzero.load_config(path, section="zero")``: ``zero_stage`` and any other ``prepare_train_network`` setting
+(``gradient_accumulation_steps``, ``clip_grad``, ``gather_quantization: int8``, ``reduce_dtype: float16``,
+``scale_sense: 1024``, ...). The example's own ``run`` section may list several stages (``run.stages: [0, 1, 2,
+3]``): they then run one after the other in one launch, from the same initial weights on the same data, and rank 0
+prints a table comparing them; with ``run.plain_dp: true`` plain data parallel (MindSpore's ``nn.TrainOneStepCell``)
+runs first, and the table gives each stage's measured difference from it. ``train.seed`` picks the initial weights
+and the data order (default 0).
 Every stage writes into ``OUT/stage_<s>/``: ``checkpoints/step_<n>`` (mindzero checkpoints,
 the newest ``train.keep_checkpoints`` kept), ``history.json`` (losses), ``loss.png``,
 ``final_model.ckpt`` (merged, loads into the plain network) and ``samples.txt``.
@@ -30,33 +32,34 @@ from pathlib import Path
 import numpy as np
 import yaml
 import mindspore as ms
-from mindspore import Tensor, nn
+from mindspore import Tensor, nn, ops
+from mindspore.communication import get_group_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mindzero  # noqa: E402
-from mindzero.checkpoint.directory import complete_checkpoints, latest_checkpoint  # noqa: E402
-from mindzero.launch.worker import finish_rank  # noqa: E402
-from mindzero.comm import AllGather  # noqa: E402
-from mindzero.checkpoint.offline import merge_checkpoint  # noqa: E402
-from mindzero.core.estimate import both_formulas  # noqa: E402
 from gpt import GPT, CharTokenizer, LMLoss, batches, generate, init_params, make_corpus  # noqa: E402
 
 KINDS = ("parameters", "gradients", "optimizer_states")
-DEFAULTS = {"train": {"log_every": 10, "save_every": 0, "keep_checkpoints": 2, "clip_grad": True, "clip_norm": 1.0,
-                      "gradient_accumulation_steps": 1, "weight_decay": 0.0, "seed": 0},
+DEFAULTS = {"train": {"log_every": 10, "save_every": 0, "keep_checkpoints": 2, "weight_decay": 0.0, "seed": 0},
             "generate": {"prompt": "the cat ", "tokens": 60}}
 
 
 def load_config(path, stage_override=None) -> dict:
+    """The example's config: its own sections with their defaults, ``zero`` (mindzero's settings, validated by
+    ``mindzero.load_config``; ``zero_stage`` taken out, each stage passes its own) and the stages to run."""
     cfg = yaml.safe_load(Path(path).read_text())
     for section, values in DEFAULTS.items():
         cfg[section] = {**values, **cfg.get(section, {})}
-    stages = cfg.get("zero", {}).get("stage", 2) if stage_override is None else stage_override
-    cfg["plain_dp"] = bool(cfg.get("zero", {}).get("plain_dp", False)) and stage_override is None
+    zero = mindzero.load_config(path, section="zero")
+    run = cfg.get("run", {})
+    stages = run.get("stages", zero.get("zero_stage", 0)) if stage_override is None else stage_override
+    cfg["plain_dp"] = bool(run.get("plain_dp", False)) and stage_override is None
     cfg["stages"] = [int(s) for s in (stages if isinstance(stages, list) else [stages])]
     bad = [s for s in cfg["stages"] if s not in (0, 1, 2, 3)]
     if bad:
-        raise ValueError(f"{path}: zero.stage={stages!r}: every stage must be 0, 1, 2 or 3")
+        raise ValueError(f"{path}: run.stages={stages!r}: every stage must be 0, 1, 2 or 3")
+    cfg["zero"] = {k: v for k, v in zero.items() if k != "zero_stage"}
+    cfg["accumulation"] = cfg["zero"].get("gradient_accumulation_steps", 1)
     return cfg
 
 
@@ -75,23 +78,16 @@ def build_network(cfg, vocab):
 
 
 def build(cfg, vocab, stage, verbose):
-    t = cfg["train"]
     net, opt = build_network(cfg, vocab)
-    # zero: any other prepare_train_network setting (gather_quantization, reduce_dtype, scale_sense, ...)
-    options = {k: v for k, v in cfg.get("zero", {}).items() if k not in ("stage", "plain_dp")}
-    train = mindzero.prepare_train_network(net, opt, zero_stage=stage, clip_grad=t["clip_grad"],
-                                           clip_norm=t["clip_norm"],
-                                           gradient_accumulation_steps=t["gradient_accumulation_steps"],
-                                           verbose=verbose, config=options or None)
-    return train
+    return mindzero.prepare_train_network(net, opt, zero_stage=stage, verbose=verbose, config=cfg["zero"])
 
 
 def run_plain_dp(cfg, ids, tok, world, log):
     """The reference: plain data parallel, MindSpore's own ``nn.TrainOneStepCell`` (its gradient all-reduce under
     the DATA_PARALLEL context) on the same weights and data; no clipping or accumulation (it has neither)."""
     t = cfg["train"]
-    if t["clip_grad"] or t["gradient_accumulation_steps"] != 1:
-        raise ValueError("zero.plain_dp: true needs train.clip_grad: false and train.gradient_accumulation_steps: 1 "
+    if cfg["zero"].get("clip_grad") or cfg["accumulation"] != 1:
+        raise ValueError("run.plain_dp: true needs zero.clip_grad: false and zero.gradient_accumulation_steps: 1 "
                          "(MindSpore's nn.TrainOneStepCell does neither; docs/parity.md)")
     net, opt = build_network(cfg, tok.vocab_size)
     # nn.TrainOneStepCell all-reduces its gradients only under MindSpore's DATA_PARALLEL context, which it reads
@@ -109,9 +105,15 @@ def run_plain_dp(cfg, ids, tok, world, log):
             log(f"plain DP step {step + 1:5d}/{t['steps']} loss {losses[-1]:.4f}")
     states = [p for p in opt.get_parameters() if p.name.startswith(("adam_m.", "adam_v."))]
     held = [sum(p.nbytes for p in net.get_parameters()), 0, sum(p.nbytes for p in states)]
-    per_rank = AllGather(world, "world")(Tensor(np.array(held + held, np.int64))).asnumpy()
+    per_rank = all_ranks(held + held)
     params = {p.name: p.asnumpy() for p in net.trainable_params()}
-    return dict(losses=losses, bytes_per_rank=per_rank.reshape(world.world_size, -1).tolist(), params=params)
+    return dict(losses=losses, bytes_per_rank=per_rank, params=params)
+
+
+def all_ranks(row: list) -> list:
+    """Every rank's ``row`` of integers, rank by rank (MindSpore's all-gather over the world)."""
+    gathered = ops.AllGather()(Tensor(np.array(row, np.int64))).asnumpy()
+    return gathered.reshape(get_group_size(), -1).tolist()
 
 
 def rel_diff(a, b) -> float:
@@ -132,7 +134,7 @@ def mib(x) -> str:
 
 def run_stage(stage, cfg, ids, tok, world, out: Path, resume: bool, stop_after: int, log):
     t = cfg["train"]
-    k, steps = t["gradient_accumulation_steps"], t["steps"]
+    k, steps = cfg["accumulation"], t["steps"]
     run_dir = out / f"stage_{stage}"
     ckpt_root = run_dir / "checkpoints"
     train = build(cfg, tok.vocab_size, stage, verbose=world.world_rank == 0)
@@ -143,7 +145,7 @@ def run_stage(stage, cfg, ids, tok, world, out: Path, resume: bool, stop_after: 
         f"memory plan per rank (MiB): parameters {mib(plan['parameters'])}, gradients {mib(plan['gradients'])}, "
         f"optimizer states {mib(plan['optimizer_states'])}")
     start_step, history = 0, []
-    latest = latest_checkpoint(ckpt_root) if resume else None
+    latest = mindzero.latest_checkpoint(ckpt_root) if resume else None
     if latest is not None:
         start_step = mindzero.load_checkpoint(train, latest).step
         hist_file = run_dir / "history.json"
@@ -181,12 +183,11 @@ def run_stage(stage, cfg, ids, tok, world, out: Path, resume: bool, stop_after: 
             log(f"stage {stage}: stopping after step {stop_after} (--stop-after)")
             return None
     report = mindzero.memory_report(train)
-    held = Tensor(np.array([report[x] for x in KINDS] + [report["expected"][x] for x in KINDS], np.int64))
-    per_rank = AllGather(world, "world")(held).asnumpy().reshape(world.world_size, -1)
+    per_rank = all_ranks([report[x] for x in KINDS] + [report["expected"][x] for x in KINDS])
     final_params = mindzero.gather_full_state_dict(train)
     if world.world_rank == 0:
         finish(cfg, tok, run_dir, ckpt_root / f"step_{last_saved:06d}", history, stage, log)
-    return dict(losses=[h["loss"] for h in history], bytes_per_rank=per_rank.tolist(), params=final_params)
+    return dict(losses=[h["loss"] for h in history], bytes_per_rank=per_rank, params=final_params)
 
 
 def save(train, ckpt_root, step, history, run_dir, keep, world, log):
@@ -197,7 +198,7 @@ def save(train, ckpt_root, step, history, run_dir, keep, world, log):
     mindzero.save_checkpoint(train, path, step=step)  # collective; complete on every rank when it returns
     if world.world_rank == 0:
         write_json(run_dir / "history.json", history)
-        old = complete_checkpoints(ckpt_root)[:-keep] if keep else []
+        old = mindzero.complete_checkpoints(ckpt_root)[:-keep] if keep else []
         for p in old:
             shutil.rmtree(p)
         log(f"saved {path}" + (f" (removed {', '.join(p.name for p in old)})" if old else ""))
@@ -207,7 +208,7 @@ def finish(cfg, tok, run_dir, last_ckpt, history, stage, log):
     """Rank 0: merge the last checkpoint into one file, load it into the plain network, generate, plot."""
     m, g = cfg["model"], cfg["generate"]
     final = run_dir / "final_model.ckpt"
-    merge_checkpoint(last_ckpt, final, force=True, log=None)
+    mindzero.merge_checkpoint(last_ckpt, final, force=True, log=None)
     gpt = GPT(tok.vocab_size, m["dim"], m["layers"], m["heads"], m["seq"], m["tied"])
     missing, _ = ms.load_param_into_net(LMLoss(gpt), ms.load_checkpoint(str(final)), strict_load=True)
     if missing:
@@ -244,7 +245,7 @@ def print_formulas(phi, n, log):
         "rank holds during a step): " + "; ".join(
             f"stage {s}: fp32 {f['fp32']['total'] / 2 ** 20:.2f} MiB, mixed precision "
             f"{f['mixed_precision']['total'] / 2 ** 20:.2f} MiB" for s, f in
-            ((s, both_formulas(phi, s, n)) for s in range(4))))
+            ((s, mindzero.estimate_memory([(phi,)], s, n)["formulas"]) for s in range(4))))
 
 
 def print_table(results, n, vocab, log):
@@ -293,7 +294,7 @@ def main():
     tok = CharTokenizer(text)
     ids = tok.encode(text)
     log(f"config {args.config}: stages {cfg['stages']}, {cfg['train']['steps']} steps x "
-        f"{cfg['train']['gradient_accumulation_steps']} micro-batches of {cfg['train']['batch']} x "
+        f"{cfg['accumulation']} micro-batches of {cfg['train']['batch']} x "
         f"{cfg['model']['seq']} tokens per rank; corpus {len(ids):,} characters, vocab {tok.vocab_size}")
     results, ref = {}, None
     runs = (["dp"] if cfg["plain_dp"] and not args.stop_after else []) + cfg["stages"]
@@ -318,7 +319,7 @@ def main():
                       for s in results if s != "dp"]
             plot(curves, out / "loss_all_stages.png", f"GPT on {world.world_size} ranks, ZeRO stages",
                  np.log(tok.vocab_size))
-    finish_rank(out, world.world_rank)  # what mindzero.launch.local waits for
+    mindzero.finish_rank(out, world.world_rank)  # what mindzero.launch.local waits for
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from mindspore.train import Callback, LossMonitor, Model, TimeMonitor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mindzero  # noqa: E402
-from mindzero.launch.worker import finish_rank  # noqa: E402
 from gpt import GPT, CharTokenizer, LMLoss, init_params, make_corpus  # noqa: E402
 
 
@@ -87,7 +86,7 @@ def main():
         run = dict(epochs=epochs, initial_epoch=initial_epoch, log_every=t["log_every"], stop_after=args.stop_after,
                    out=out, uniform=np.log(tok.vocab_size))
         train(train_net, ckpt, data, run, log)
-    finish_rank(out, world.world_rank)  # what mindzero.launch.local waits for
+    mindzero.finish_rank(out, world.world_rank)  # what mindzero.launch.local waits for
 
 
 def train(train_net, ckpt, data, run, log):

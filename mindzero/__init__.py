@@ -48,6 +48,7 @@ _LAZY = {
     "MergeError": "mindzero.checkpoint.source",
     "create_hybrid_groups": "mindzero.comm.groups",
     "start_data_parallel": "mindzero.comm.start",
+    "finish_rank": "mindzero.launch.worker",
     "predict_peak": "mindzero.planner.planner",
     "plan": "mindzero.planner.planner",
     "Rehearsal": "mindzero.planner.planner",

@@ -128,8 +128,8 @@ def load_checkpoint(train_net, ckpt_dir):
 
 def write_value(param, value) -> None:
     """``param := value`` (a numpy array of its size), in place: an assign kernel writes the memory the compiled
-    step uses. ``set_data`` rebinds the Parameter instead, and a step already compiled went on reading a
-    master's old memory (measured: an owner's full master loaded after two steps, at stage 3). A disk-offloaded
+    step uses. ``set_data`` rebinds the Parameter instead, and a step already compiled goes on reading the old
+    memory (an owner's full master loaded after two steps, at stage 3, did). A disk-offloaded
     state (:class:`~mindzero.engine.offload.DiskState`) writes its file."""
     tensor = Tensor(np.asarray(value).reshape(param.shape), param.dtype)
     if isinstance(param, Parameter):

@@ -6,7 +6,7 @@ Scopes: the *op group* (the ranks a tensor is sharded over, ``G``) and the *worl
 sharding ``R = N / G`` replicas of the op group, see :mod:`mindzero.core.topology`):
 
 =========================  ===================================  ==============================================
-operation                  ``collectives`` (GPU / Ascend)       ``emulated`` (CPU, MindSpore 2.10: world
+operation                  ``collectives`` (GPU / Ascend)       ``emulated`` (CPU, MindSpore: world
                                                                 group only, no ReduceScatter)
 =========================  ===================================  ==============================================
 all-gather (op group)      ``AllGather(op group)``              ``AllGather(world)``; hybrid: keep the op
@@ -71,8 +71,7 @@ class Backend:
       ``bucket``: :meth:`mindzero.comm.cells.Bucket.of` of the tensors, for the backends that concatenate them);
     * ``host_gather(scope)``: ``(s,) tensor -> (size * s,) numpy array``, the op group's (``scope="op"``) or
       every rank's (``"world"``) tensors concatenated in group order, called eagerly (host-side tools such as
-      ``gather_full_state_dict`` and prepare's cross-rank checks: no graph to compile per shape; measured on the
-      test GPT at 2 ranks: 2.3 s of graph compiles -> milliseconds).
+      ``gather_full_state_dict`` and prepare's cross-rank checks: no graph to compile per shape).
     """
 
     name = None

@@ -1,4 +1,4 @@
-"""The CPU emulations of the collectives MindSpore 2.10 lacks there (world group only, no ReduceScatter), as the
+"""The CPU emulations of the collectives MindSpore lacks there (world group only, no ReduceScatter), as the
 Cells :class:`mindzero.comm.backends.Emulated` returns (the table in :mod:`mindzero.comm.backends`): an op-group
 all-gather as a world all-gather keeping the op group's rows, an op-group sum as a world all-reduce of one slot
 per replica, a reduce-scatter as an all-reduce of exactly the tensor plain data parallel sums and then this

@@ -35,7 +35,7 @@ def own_shard(flat, padding: int, op_rank: int, op_size: int):
     twin of :func:`mindzero.core.plan.shard_of_flat`).
 
     Pads the whole tensor before slicing: slicing a collective's output first and padding the tail made
-    MindSpore 2.10's CPU all-reduce write into a buffer of the slice's size ("RunRingAllReduce Memcpy
+    MindSpore's CPU all-reduce write into a buffer of the slice's size ("RunRingAllReduce Memcpy
     error"). Without padding or sharding the tensor is returned as it is.
     """
     if padding:
@@ -90,7 +90,7 @@ def _as_rows(op_size, x, padding):
 @piece.register("Tensor", "Number", "Number")
 def _piece(x, offset, size):
     """``x[offset:offset + size]`` of a 1D ``x``: one member of a fused bucket's concatenation. Mapped over the
-    members (``ops.split`` with many sections unrolled recursively in MindSpore 2.10's graph mode: a bucket of 115
+    members (``ops.split`` with many sections unrolled recursively in MindSpore's graph mode: a bucket of 115
     tensors passed its call-depth limit of 1000)."""
     return x[offset:offset + size]
 

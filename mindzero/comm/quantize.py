@@ -7,12 +7,9 @@ numpy twin's ``view``.
 
 Everything the size of a weight is computed in float32 kernels (bytes are float32 values in [-128, 127],
 exact), never with integer arithmetic, ``Div`` or broadcasting against a column: MindSpore's CPU kernels for
-those keep index tables several times the size of their output for the life of the compiled graph (measured
-on 16M elements, output 64 MiB: int32 ``Sub`` of equal shapes +450 MiB, ``FloorMod`` by a scalar +450 MiB, a
-broadcast ``Mul`` +390 MiB, float32 ``Div`` (Python's ``/``) +320 MiB; float32 ``RealDiv``, ``Mul``,
-``Floor``, ``Round``, ``Cast``, ``Tile``, ``Stack``: their output only; a 2-D ``StridedSlice`` about one
-output more: ``benchmarks/cpu_kernel_memory.py``). The int32 version of these kernels held 6.9 GiB a rank on
-a 35M-parameter GPT at 2 ranks. Only the scales (one per block) use integer kernels.
+those keep index tables several times the size of their output for the life of the compiled graph, where
+float32 ``RealDiv``, ``Mul``, ``Floor``, ``Round``, ``Cast``, ``Tile`` and ``Stack`` keep their output only
+(``benchmarks/cpu_kernel_memory.py`` measures each). Only the scales (one per block) use integer kernels.
 """
 from __future__ import annotations
 
@@ -131,7 +128,7 @@ def scales_of(words):
 
 def encode(x, block: int, nb: int, int8_wire: bool):
     """One rank's payload of the 1-D shard ``x`` as it crosses the collective: the int8 values, then the scales'
-    IEEE bytes; as int8 (GPU/Ascend) or as the same bytes in little-endian int32 words (CPU: MindSpore 2.10 has no
+    IEEE bytes; as int8 (GPU/Ascend) or as the same bytes in little-endian int32 words (CPU: MindSpore has no
     int8 all-gather there). The words are built directly, the scales' bits being whole words already (the
     values' byte count, ``nb * block``, is a multiple of 4); joined in fp64 and cast once (an integer ``Concat``
     of weight size is avoided: see the module note)."""

@@ -4,7 +4,7 @@ gradient reduces the incoming gradient into this rank's shard (the backend decid
 gradient, the shard taking its gradient through a :class:`GradientPort`: the quantized gather
 (:mod:`mindzero.comm.quantize`) and :class:`UnitGather` (several parameters in one all-gather).
 
-A primitive, not a Cell: stage 3 reads every parameter through one, and MindSpore 2.10 compiles a Cell
+A primitive, not a Cell: stage 3 reads every parameter through one, and MindSpore compiles a Cell
 call per read site (about 35 ms each, 6 s for a 14-layer GPT) and crashes (SIGSEGV) when a Cell's output
 only feeds ``is not None`` or goes unused (``if self.cls_token is not None:``, as in mindcv's vision
 transformers). The kernel is ``AllGather``'s (``substitute_name``); the gradient is the one its backend
@@ -73,10 +73,10 @@ class GradientPort(nn.Cell):
     under ``InsertGradientOf`` (which hands ``Tile``'s gradient the reduction in row 0) added as
     ``values + (port + stop_gradient(-port))``: exactly ``values`` (``x + (-x) = 0``), whose gradient w.r.t.
     ``shard`` is ``bprop`` of the incoming ``(R, S)`` gradient. MindSpore has no primitive that returns one input
-    and takes another's gradient; measured dead ends: ``Depend``/``MulNoNan`` subclasses with a registered
-    gradient (built in C++, not looked up by class: lost), ``EmbeddingLookup`` (the gradient turns sparse),
-    ``Expand`` (refuses outputs above 10**6 elements), a Cell with ``bprop`` per read site (a 105M GPT at 4
-    ranks ran out of 24 GiB compiling). Called as methods (inlined), never as a Cell."""
+    and takes another's gradient: ``Depend``/``MulNoNan`` subclasses with a registered gradient lose it (built in
+    C++, not looked up by class), ``EmbeddingLookup``'s gradient turns sparse, ``Expand`` refuses outputs above
+    10**6 elements, and a Cell with ``bprop`` per read site costs a compiled Cell per read. Called as methods
+    (inlined), never as a Cell."""
 
     def __init__(self, bprop, rows: int, attrs: dict):
         super().__init__(auto_prefix=False)

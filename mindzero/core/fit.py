@@ -176,8 +176,8 @@ def keeps_gathers(options: dict) -> bool:
     with ``stage3_regather`` (the default). A run recomputes each gather in backward, where the collective's
     ordering places it, and frees the forward's full parameters. The rehearsal's local stand-in is recomputed
     too, but on some graphs it runs early, so its memory pool keeps the gathered parameters from forward to
-    backward (measured: the example GPT at width 768, 4 ranks: the pool 384 MiB at 8 blocks against a run's 192;
-    mindcv's ViT: the rehearsal re-gathers as a run does). :func:`kept_gathers_per_block` measures it."""
+    backward (on others, mindcv's ViT among them, it re-gathers as a run does). :func:`kept_gathers_per_block`
+    measures it."""
     return (int(options.get("zero_stage", 0)) == 3 and options.get("stage3_regather", True) is not False
             and not options.get("gather_units") and not options.get("gather_quantization"))
 

@@ -30,8 +30,8 @@ DEFAULT_CHUNK_MB = 8
 #: pieces of a parameter start at multiples of this many elements (page-sized reads and writes)
 PIECE_ALIGN = 4096
 #: every state of a piece starts at a multiple of this many bytes, in the file and in memory: vectorised update
-#: kernels take another code path on unaligned memory (measured: nn.Adam's fused kernel on a state at an offset of
-#: 1092 bytes changed last bits; aligned, bit-identical)
+#: kernels take another code path on unaligned memory (nn.Adam's fused kernel on a state at an unaligned offset
+#: changes last bits; aligned, it is bit-identical)
 ALIGN_BYTES = 64
 
 
@@ -52,11 +52,10 @@ class OffloadError(OSError):
 #: The optimizers whose parameters disk offload cuts into pieces, by class (qualified name), with the names
 #: ``estimate_memory`` knows them by (:data:`mindzero.core.optim_plan.OPTIMIZER_MODELS`): one table for the
 #: offload (:func:`mindzero.engine.offload.splits_parameters`) and the estimates.
-#: Measured on CPU (tests/single/test_offload.py, 4096-element pieces of 13000- and 26000-element shards):
-#: bit-identical. Not nn.Adam: its fused ApplyAdam kernel splits a tensor between threads and computes each
-#: thread's last elements with scalar code, the rest 8 lanes at a time with FMA, so an element at a thread boundary
-#: of the whole tensor gets another last bit in a piece (measured: element 2184 of a 4369-element parameter; 68 of
-#: 26000). Every other optimizer is streamed a whole parameter at a time.
+#: Bit-identical in pieces (tests/single/test_offload.py). Not nn.Adam: its fused ApplyAdam kernel splits a tensor
+#: between threads and computes each thread's last elements with scalar code, the rest 8 lanes at a time with FMA,
+#: so an element at a thread boundary of the whole tensor gets another last bit in a piece. Every other optimizer
+#: is streamed a whole parameter at a time.
 SPLITTABLE_OPTIMIZERS = {
     "mindspore.nn.optim.adam.AdamWeightDecay": ("adamw",),
     "mindspore.nn.optim.sgd.SGD": ("sgd",),

@@ -134,3 +134,31 @@ class CheckpointOptions:
         return {k: getattr(self, k) for k in self.keys()}
 
 
+
+
+@dataclass(frozen=True)
+class Variable:
+    """An environment variable mindzero (or its test suite) reads: its name, who reads it, and what it does."""
+
+    name: str
+    read_by: str
+    does: str
+
+
+#: every ``MINDZERO_*`` variable read anywhere in mindzero or its tests, and MindSpore's own that mindzero reads or
+#: sets (docs/reference.md is generated from it; tests/single/test_reference.py finds every one in the sources)
+VARIABLES = (
+    Variable("MINDZERO_DEVICE", "`start_data_parallel`, `mindzero-env`",
+             "the device to set (`CPU`, `GPU`, `Ascend`, any case) when `device=` is not given; unset: MindSpore's own"),
+    Variable("MINDZERO_SUBSTITUTE_COLLECTIVES", "worlds made by `prepare_train_network`",
+             "`1`: test-only, run the GPU/Ascend code on CPU with its group primitives substituted"),
+    Variable("MINDZERO_LOG_DIR", "`python -m mindzero.launch`", "where rank 0 writes the scheduler's log (default `.`)"),
+    Variable("MINDZERO_FULL_SUITE", "the test suite", "`1`: run the full tier (as `--full`)"),
+    Variable("MS_COMPILER_CACHE_ENABLE", "`prepare_train_network`",
+             "MindSpore's process-wide compile cache: when `1`, mindzero compiles its own graphs without it (warned)"),
+    Variable("MS_ROLE", "`python -m mindzero.launch`, `mindzero-env`",
+             "set by msrun: a process already in MindSpore's cluster (the launcher maps nothing)"),
+    Variable("MS_SCHED_HOST, MS_SCHED_PORT", "`python -m mindzero.launch`",
+             "the scheduler's address; the launcher sets them (and `MS_WORKER_NUM`, `MS_NODE_ID`) from mpirun's, PMI's "
+             "or Slurm's rank and size"),
+)

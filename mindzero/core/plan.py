@@ -22,7 +22,7 @@ Vocabulary (used across mindzero):
   adapter fine-tuning): sharded at stage 3 like a trainable one (``ShardSpec.optimized`` False), with no
   gradient and no optimizer state. A **buffer** the network writes (BatchNorm's moving statistics, a
   Parameter a Cell assigns to) is never sharded: a write to a gathered copy would be lost without an error
-  (MindSpore 2.10 runs ``ops.assign`` and BatchNorm's update on a non-Parameter and drops the result), so
+  (MindSpore runs ``ops.assign`` and BatchNorm's update on a non-Parameter and drops the result), so
   :func:`mindzero.core.introspect.written_buffers` finds them and each rank keeps its own.
 
 This module is pure Python (no MindSpore import): the train step, the memory

@@ -9,7 +9,7 @@ the shard cut into ``nb = ceil(S / B)`` blocks of ``B`` elements (the last one z
                     little-endian)]
 
 one byte stream, so the scales travel in the same collective as the values. GPU/Ascend all-gather it as int8;
-where a backend has no int8 all-gather (MindSpore's CPU collectives, measured), the same bytes travel as int32
+where a backend has no int8 all-gather (MindSpore's CPU collectives), the same bytes travel as int32
 words (4 bytes each, little-endian: ``payload.view(int32)``). Receivers decode every rank's payload and
 dequantize to ``q * scale`` (fp32), then the reader's dtype.
 

@@ -27,7 +27,7 @@ from .checks import is_int
 
 # How collectives run (mindzero.comm.backends implements each):
 SINGLE = "single"  # a world of one rank: every collective is the identity
-EMULATED = "emulated"  # CPU: world collectives only, no ReduceScatter (MindSpore 2.10); emulated exactly
+EMULATED = "emulated"  # CPU: world collectives only, no ReduceScatter; emulated exactly
 COLLECTIVES = "collectives"  # GPU/Ascend: MindSpore's ReduceScatter and sub-group collectives
 SUBSTITUTE = "substitute"  # test-only: the GPU/Ascend code with CPU-legal stand-ins for the primitives
 REHEARSAL = "rehearsal"  # one process playing rank 0 of N: CPU's code, each collective a local op of its shapes

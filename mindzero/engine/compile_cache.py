@@ -4,8 +4,8 @@ MindSpore's compile cache (``MS_COMPILER_CACHE_ENABLE=1``) saves the graph a pro
 the next process instead of compiling again; it checks only the source files of the entry script and the local
 modules it imports. A step built from the same script with another ``zero_stage``, world size, rank, model size,
 batch shape, optimizer setting or mindzero version compiles into another graph, yet MindSpore loads the saved one
-("Use the compilation cache and execute the backend actions only. Be aware of correctness risks"): measured, a
-stage-1 step loading a stage-3 step's cache aborts in its first run (``free(): invalid pointer``).
+("Use the compilation cache and execute the backend actions only. Be aware of correctness risks"): a stage-1 step
+that loads a stage-3 step's cache aborts in its first run (``free(): invalid pointer``).
 
 So mindzero caches its own step in a directory of its own, ``<root>/<key>/``, where the key is a digest of:
 

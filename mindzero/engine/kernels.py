@@ -4,7 +4,7 @@
 The graph holds one call per tensor; nothing grows a tuple one element at a time (which unrolls into a
 graph quadratic in the number of tensors). Per-tensor constants (paddings, positions, buckets) are tuples
 of Python numbers mapped alongside. A Cell a kernel calls is mapped as an element too (a tuple of Cells):
-bound with ``ops.partial`` instead, MindSpore 2.10 fails to compile the step ("The pointer[cnode_abs] is
+bound with ``ops.partial`` instead, MindSpore fails to compile the step ("The pointer[cnode_abs] is
 null"), as it does when a kernel chooses between two Cells with ``if``.
 
 Used by the train step (:mod:`mindzero.engine.train_step`); the layout helpers they share with the

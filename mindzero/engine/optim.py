@@ -34,7 +34,7 @@ from ..core.checksum import crc32_array
 from ..core.optim_plan import StateSpec, state_layout
 
 OPTIMIZER_BASES = (nn.Optimizer, TorchStyleOptimizer)
-# optimizers whose update kernel MindSpore 2.7-2.10 do not register on CPU: class -> (kernel, what to use there)
+# optimizers whose update kernel MindSpore does not register on CPU: class -> (kernel, what to use there)
 CPU_MISSING_KERNEL = {
     mint.optim.AdamW: ("AdamW", "mint.optim.Adam with weight_decay (L2, not decoupled) or nn.AdamWeightDecay "
                                 "(decoupled, as AdamW)"),

@@ -139,8 +139,8 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
     state = assemble(network, optimizer, zero, world)
     train_net = ZeroTrainOneStepCell(network, optimizer, state)
     # the replaced full tensors (parameters at stage 3, optimizer states from stage 1) sit in reference
-    # cycles of MindSpore objects: collect them now (measured: 380 MiB on a 105M GPT at stage 3), not
-    # whenever the cyclic collector next runs; prepare's own references are gone by here
+    # cycles of MindSpore objects: collect them now, not whenever the cyclic collector next runs (at stage 3 they
+    # are most of a model); prepare's own references are gone by here
     gc.collect()
     if verbose and state.world.world_rank == 0:
         logger.warning("%s", plan_text(train_net))

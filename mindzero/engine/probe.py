@@ -21,8 +21,8 @@ per-parameter or global hyper-parameters. mindzero decides it per parameter, at 
 
 Why a tolerance and not bit equality: MindSpore's CPU kernels compute most elements several at a time with fused
 multiply-adds and the last few of a tensor (or of a thread's block) one at a time without, so an element can
-round its last bit differently when it sits at another place of a shorter tensor (measured: one element of 35 in
-``mindspore.experimental.optim.Adam``, 1 ulp; ``nn.Adam`` at thread boundaries). That is rounding, not a
+round its last bit differently when it sits at another place of a shorter tensor (``mindspore.experimental.optim.Adam``
+does, by 1 ulp; ``nn.Adam`` at thread boundaries). That is rounding, not a
 dependence on other elements, which changes values by far more (a norm or a mean over the piece instead of the
 tensor); a flat parameter then trains within a few ulps of plain data parallel, not always bit for bit.
 

@@ -38,8 +38,8 @@ whether the update is due or skipped, and the store streams the update from disk
 In graph mode every rank compiles its own graph: owner mode makes the optimizer's work differ between ranks (one
 updates a parameter whole, the others a stand-in of a few elements), never the collectives: every rank issues the
 same collectives, from the same buckets (:func:`mindzero.core.comm_plan.step_buckets`). Where the graphs differ,
-MindSpore's scheduler would order independent collectives differently on different ranks (measured: two
-all-gathers of different sizes met, "RingAllGather Memcpy error"), so from the owner-mode gradients' all-gathers
+MindSpore's scheduler would order independent collectives differently on different ranks (two all-gathers of
+different sizes would meet: "RingAllGather Memcpy error"), so from the owner-mode gradients' all-gathers
 on every collective of the update waits for the one before it: each records itself in ``state.order`` (a scalar
 Parameter) and the next reads it first (MindSpore keeps reads and writes of a Parameter in program order). Without
 owner mode every rank compiles the same graph and the update's collectives are not chained (``state.ordered``):
@@ -178,7 +178,7 @@ def _execution_order(order):
     The order is fixed when a graph compiles and the runtime keeps it; it decides when each kernel's output
     is freed. MindSpore's default (``bfs``) runs the consumers of the per-gradient reductions late, so every
     full gradient is alive at the end of backward even where its reduction follows its production in the
-    graph; ``dfs`` runs each reduction right after the gradient it reduces (docs/stages.md, measured). The
+    graph; ``dfs`` runs each reduction right after the gradient it reduces (docs/stages.md). The
     context setting is process-wide: it is restored at once.
     """
     if order is None:
@@ -323,10 +323,8 @@ class ZeroTrainOneStepCell(nn.Cell):
         optimizer, then the write-back (:class:`WriteBack`): stages 1-2 all-gather every updated flat master shard
         into its parameter, owners broadcast theirs, mixed precision casts the others.
 
-        The gather sits in the same branch as the update: after the branch (where an earlier step, whose
-        chained assigns MindSpore 2.10 dropped inside a branch, had it) the runtime held the gathered
-        values across the branch boundary: +212 MiB of memory pool on a 105M GPT (stage 1, one process),
-        about half the parameter bytes; inside, +5 MiB."""
+        The gather sits in the same branch as the update: after the branch the runtime would hold the gathered
+        values across the branch boundary (about half the parameter bytes of memory pool at stage 1)."""
         return self.states(grads, self.refresh(after))
 
     def _clip(self, grads):

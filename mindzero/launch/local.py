@@ -104,8 +104,8 @@ def _env(extra=None) -> dict:
     # msrun starts workers with the `python` on PATH: make it this interpreter
     # PYTHONFAULTHANDLER: a rank killed by a crash signal prints its Python stack, which the failure report names
     # MS_RETRY_INTERVAL_*: a node's registration with the scheduler and its unregistration at exit retry every
-    # 1-2 s on loopback instead of MindSpore's longer default (measured: a launch that trains nothing took 20 s
-    # with the default, 14-15 s with these); the environment's own values win
+    # 1-2 s on loopback instead of MindSpore's longer default (a few seconds off every launch); the environment's
+    # own values win
     env = dict({"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "2", **os.environ},
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                PYTHONPATH=f"{PACKAGE_PARENT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",

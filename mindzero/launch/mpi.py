@@ -108,10 +108,9 @@ def start_scheduler(env: dict, log_path: Path) -> subprocess.Popen:
 
 def check_port_free(host: str, port: int, given: bool) -> None:
     """Raise ``RuntimeError`` if something on this host already listens on (or holds) ``host:port``, where the
-    scheduler is to listen. MindSpore's scheduler then fails to bind (measured with a port held by another listener
-    and by a connected client socket) and its workers retry registering for half an hour (measured: a launch whose
-    port another listener or another job's scheduler held hung). ``given``: the port came from the user, not derived
-    from the job id."""
+    scheduler is to listen. MindSpore's scheduler then fails to bind (a port held by another listener or by a
+    connected client socket) and its workers retry registering for up to half an hour, so the launch would hang.
+    ``given``: the port came from the user, not derived from the job id."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds: TIME_WAIT is no conflict
         try:
@@ -145,8 +144,8 @@ def scheduler_failed(scheduler: subprocess.Popen, log_path: Path, host: str, por
 def wait_for_scheduler(scheduler: subprocess.Popen, host: str, port: int,
                        timeout: float = SCHEDULER_LISTEN_WAIT) -> None:
     """Return once the scheduler accepts connections (or has exited, or ``timeout`` passed). MindSpore's worker
-    that tries to register before its scheduler listens kept failing to connect for 10-15 s after the scheduler
-    was up (measured under mpirun on loopback); the other ranks are not held up."""
+    that tries to register before its scheduler listens keeps failing to connect for several seconds after the
+    scheduler is up; the other ranks are not held up."""
     end = time.monotonic() + timeout
     while time.monotonic() < end and scheduler.poll() is None:
         try:

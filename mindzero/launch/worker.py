@@ -46,5 +46,6 @@ def start_worker(parser: argparse.ArgumentParser = None, argv=None, **start) -> 
 
 
 def finish_rank(out, world_rank: int) -> None:
-    """The marker the launcher waits for: ``out/rank_<world_rank>.done``."""
+    """Tell ``python -m mindzero.launch.local`` that this rank finished: it waits for ``out/rank_<world_rank>.done``
+    from every rank (``out``: the ``--out`` it gave the script), so a rank that dies early fails the launch."""
     (Path(out) / f"rank_{world_rank}.done").write_text("ok")

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", required=True, help="memory per rank above the framework, e.g. 5GiB")
     ap.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                     help="a configuration fits when its prediction times 1 + margin is within the budget "
-                    "(default %(default)s: the largest error measured)")
+                    "(default %(default)s: above the largest error against real launches)")
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--param-dtype", choices=["float16", "bfloat16"], help="also weigh mixed precision")
     ap.add_argument("--recompute", action="store_true", help="also weigh recomputing each repeated block")

@@ -26,7 +26,7 @@ from .factory import block_list_name, build, factory_ref
 from .rehearse import run_child
 
 DEFAULT_DEPTHS = (1, 2)
-DEFAULT_MARGIN = 0.10  # what a prediction may be off: the largest error measured is 7.2% (docs/performance.md)
+DEFAULT_MARGIN = 0.10  # above the largest error of a prediction against real launches (docs/performance.md)
 SEARCH_KEYS = ("stages", "param_dtype", "recompute", "global_batch", "quantization")  # what plan() weighs
 
 
@@ -308,7 +308,8 @@ def plan(factory, sample, world_size: int, budget, *, margin: float = DEFAULT_MA
     blocks), ``global_batch`` (samples per rank per optimizer step: weigh gradient accumulation over equal
     micro-batches, predicted from the batch terms of the fit, no more rehearsals), ``quantization`` (default True:
     weigh int8 gathers). A configuration fits when its prediction times ``1 + margin`` is within the budget
-    (default 10%: the largest error measured, docs/performance.md). ``rehearsal``: as :func:`predict_peak`'s.
+    (default 10%: above the largest error against real launches, docs/performance.md). ``rehearsal``: as
+    :func:`predict_peak`'s.
 
     Returns:
         ``{"predictions": [Prediction], "best": Prediction, "reason": str, "table": str, "largest_depth": {label:
