@@ -280,7 +280,10 @@ def cached_compile(step, args, config, world):
 
 def _entry_script() -> str:
     """The script MindSpore's cache takes for the process's (its source is hashed into the cached graph's check)."""
-    from mindspore.graph import api
+    try:
+        from mindspore.graph import api
+    except ImportError:  # MindSpore before 2.9 keeps it in mindspore.common
+        from mindspore.common import api
 
     return api.entry_script_path or ""
 

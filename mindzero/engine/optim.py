@@ -32,6 +32,7 @@ from mindspore.experimental.optim import Optimizer as TorchStyleOptimizer
 
 from ..core.checksum import crc32_array
 from ..core.optim_plan import StateSpec, state_layout
+from ..core.versions import UnsupportedMindSpore, release
 
 OPTIMIZER_BASES = (nn.Optimizer, TorchStyleOptimizer)
 # optimizers whose update kernel MindSpore does not register on CPU: class -> (kernel, what to use there)
@@ -41,6 +42,25 @@ CPU_MISSING_KERNEL = {
     nn.Lamb: ("Lamb", "another optimizer (on GPU/Ascend nn.Lamb is accepted, its parameters owned whole)"),
     nn.LARS: ("LARSUpdate", "another optimizer"),
 }
+#: optimizers a MindSpore release ships but does not run: class -> (the first release that runs it, what it does before,
+#: what to use instead); refused there, naming the version (in plain MindSpore they train nothing, silently)
+BROKEN_BEFORE = {
+    mint.optim.SGD: ("2.8.0", "updates no parameter (its step counter stays 0, in MindSpore alone as under mindzero)",
+                     "nn.SGD or nn.Momentum"),
+}
+
+
+def unrunnable(cls, version: str = None):
+    """Why this MindSpore (``version``, default the installed one) cannot run optimizer class ``cls``, or ``None``."""
+    version = ms.__version__ if version is None else version
+    known = BROKEN_BEFORE.get(cls)
+    if known is None or release(version) >= release(known[0]):
+        return None
+    first, what, instead = known
+    return (f"optimizer {cls.__module__}.{cls.__name__} {what} in MindSpore {version}: use {instead}, or MindSpore "
+            f"{first} or later")
+
+
 #: the per-parameter attributes MindSpore's optimizer bases make (the note above); a subclass may add its own
 KNOWN_PER_PARAMETER = frozenset({
     "decay_flags", "dynamic_decay_flags", "optim_filter", "weight_decay", "learning_rate",
@@ -226,6 +246,8 @@ def check_optimizer(optimizer, network_params: dict, sharding: bool, device: str
 
     Raises:
         TypeError: not a ``mindspore.nn.Optimizer`` nor a torch-style (``mindspore.mint.optim``) optimizer.
+        mindzero.core.versions.UnsupportedMindSpore: an optimizer this MindSpore ships but does not run
+            (:data:`BROKEN_BEFORE`), naming the version.
         ValueError: a parameter it updates is not one of the network's; its update kernel does not exist on
             ``device``; for ``sharding`` (stages 1-3): it wraps another optimizer, or keeps a per-group state in
             some groups only.
@@ -234,6 +256,9 @@ def check_optimizer(optimizer, network_params: dict, sharding: bool, device: str
         raise TypeError(f"optimizer must be a mindspore.nn.Optimizer or a mindspore.mint.optim optimizer "
                         f"(mindspore.experimental.optim.Optimizer), got {type(optimizer).__name__}")
     cls = type(optimizer)
+    broken = unrunnable(cls)
+    if broken is not None:
+        raise UnsupportedMindSpore(broken)
     if device == "CPU" and cls in CPU_MISSING_KERNEL:
         kernel, instead = CPU_MISSING_KERNEL[cls]
         raise ValueError(f"optimizer {cls.__module__}.{cls.__name__} cannot run on CPU: MindSpore {ms.__version__} "

@@ -7,12 +7,17 @@ per-parameter or global hyper-parameters. mindzero decides it per parameter, at 
 1. **Structure.** Every state of the parameter must be shaped as the parameter (moments, accumulators) or hold
    one value (a step count, ASGD's ``eta``). A state of another shape (AdaFactor's and CAME's factored rows and
    columns, a stand-in such as mindone Muon's empty ``exp_avg_sq`` of its matrices) makes it an owner-mode
-   parameter (:data:`~mindzero.core.optim_plan.OWNER`) at once.
+   parameter (:data:`~mindzero.core.optim_plan.OWNER`) at once, and every other parameter of that optimizer too:
+   an update that is not element-wise for some shapes may reduce over the whole tensor for others under conditions
+   a probe does not reach (AdaFactor scales every update by its RMS over the tensor once that exceeds a threshold,
+   its vectors included).
 2. **Probe.** The optimizer's own update runs on a small probe of the parameter (:func:`probe_shape`: the same
    number of dimensions, each dimension's remainder by 32; its dtype; its states started at the values the
    optimizer gave them) twice: whole, and cut into three flat
    padded pieces as sharding cuts it, each piece a 1D parameter of its own, for three steps of random gradients
-   spanning four orders of magnitude (so that clips and norms inside an update show). It runs through a *view*
+   spanning four orders of magnitude within a step and, from step to step, growing a hundredfold at one end of the
+   tensor and shrinking as much at the other (so that clips, norms and trust ratios over the tensor cross their
+   thresholds, and see other statistics in a piece than in the whole). It runs through a *view*
    of the user's optimizer (:func:`optimizer_view`: the same class, hyper-parameters, parameter group and
    per-parameter entries, with copies of its step counters and learning rates, so the user's optimizer does not
    move). Flat when the pieces, joined, equal the whole (values and every state; a one-value state equal in every
@@ -30,9 +35,11 @@ Parameters with the same probe signature (dimensions, dtype, state layouts, per-
 one probe; all probes of one optimizer, whole and in pieces, run as entries of one view, so a prepare compiles one
 small graph.
 
-What a probe cannot see: an update whose dependence on other elements shows only for values or sizes the probe does
-not reach (a clip at a threshold its data never crosses, a rule on a tensor's element count). :func:`register_elementwise_optimizer` overrides the probe
-for a class, both ways.
+What a probe cannot prove: that an update it saw element-wise stays so for values or sizes it did not try (a
+threshold its data never crossed, a rule on a tensor's element count). What it rules out: an update that reduces
+over the tensor whenever its data crosses a threshold within a hundredfold of the gradients' typical size, and
+(by the structure rule) any optimizer that factors or drops a state for some shapes.
+:func:`register_elementwise_optimizer` overrides both, for a class, both ways.
 """
 from __future__ import annotations
 
@@ -89,6 +96,10 @@ def decide_modes(layout: OptimizerLayout, specs, shard: bool) -> list:
     states = [layout.state_specs(i, shapes) for i in range(layout.n)]
     cls = type(layout.optimizer)
     forced = registered(cls)
+    # a state of another shape for some parameter: the optimizer updates those from more than one element, so no
+    # parameter of it is taken as element-wise on a probe's word (the same update may reduce over the whole
+    # tensor for other shapes too, under conditions a probe does not reach)
+    factored = next(((specs[i].name, s) for i in range(len(specs)) for s in states[i] if s.layout == OTHER), None)
     out, probed = [], []
     for i, spec in enumerate(specs):
         other = [s for s in states[i] if s.layout == OTHER]
@@ -106,6 +117,10 @@ def decide_modes(layout: OptimizerLayout, specs, shard: bool) -> list:
                                f"{tuple(spec.shape)}", states[i]))
         elif forced:
             out.append((FLAT, "", states[i]))
+        elif factored is not None:
+            name, state = factored
+            out.append((OWNER, f"{cls.__name__} keeps its state {state.attr!r} of {name!r} in shape {state.shape}: "
+                               "not element-wise for every shape", states[i]))
         else:
             out.append(None)
             probed.append(i)
@@ -224,8 +239,13 @@ class _Probe:
         for i, shape in zip(self.chosen, self.shapes):
             dtype = np_dtype(layout.params[i].dtype)
             self.params.append(np.asarray(rng.randn(*shape) * 0.5, dtype))
-            self.grads.append([np.asarray(rng.randn(*shape) * 10.0 ** rng.uniform(-2, 2, shape), dtype)
-                               for _ in range(STEPS)])
+            # magnitudes spread over four orders within a step, and from step to step growing a hundredfold at
+            # one end of the flat parameter and shrinking as much at the other: an update clipped or scaled by a
+            # statistic of the whole tensor (an RMS, a norm, a trust ratio) crosses its threshold, and the pieces
+            # see different statistics than the whole
+            along = np.linspace(-1.0, 1.0, int(np.prod(shape)) or 1).reshape(shape)
+            self.grads.append([np.asarray(rng.randn(*shape) * 10.0 ** (rng.uniform(-2, 2, shape) + 2 * step * along),
+                                          dtype) for step in range(STEPS)])
             for attr, states in layout.states.items():
                 s = states[i]
                 fill = _first_value(s)

@@ -10,6 +10,8 @@ from mindspore import ParameterTuple, mint, nn
 
 import mindzero
 
+from .models import runs_here
+
 #: every optimizer mindzero shards, as users build them (name -> maker over the trainable parameters)
 RELEASE_OPTIMIZERS = {
     "nn.Adam": lambda ps: nn.Adam(ps, 1e-3),
@@ -28,6 +30,8 @@ RELEASE_OPTIMIZERS = {
          {"params": [p for p in ps if "bias" in p.name], "lr": 1e-4}], lr=1e-3, amsgrad=True),
     "mint.optim.SGD": lambda ps: mint.optim.SGD(ps, lr=1e-3, momentum=0.9),
 }
+#: those the installed MindSpore runs (a release may ship one it does not run; mindzero refuses it there)
+RELEASE_OPTIMIZERS = {k: make for k, make in RELEASE_OPTIMIZERS.items() if runs_here(k)}
 
 
 class StackNet(nn.Cell):

@@ -13,7 +13,7 @@ from mindzero.comm import substitute_collectives
 from mindzero.launch.worker import start_worker
 
 from .data import batch, concat
-from .models import TORCH_STYLE, build, make_optimizer
+from .models import TORCH_STYLE, build, make_optimizer, runs_here
 
 
 def settle():
@@ -106,6 +106,8 @@ def run(scn, world) -> Run:
     DATA_PARALLEL context, mindzero's stages with the context unset, in the scenario's mode (graph mode after)."""
     import mindspore as ms
 
+    if not runs_here(scn.optimizer):
+        return refused(scn)
     if scn.stage == "dp":
         with plain_data_parallel():
             return _run(scn, world)
@@ -115,6 +117,20 @@ def run(scn, world) -> Run:
         return _run(scn, world)
     finally:
         ms.set_context(mode=ms.GRAPH_MODE)
+
+
+def refused(scn) -> Run:
+    """A scenario whose optimizer this MindSpore ships but does not run: what ``prepare_train_network`` raises for it
+    (``arrays["refused"]``), and nothing trained (plain DP's rows record the same message: they would train nothing)."""
+    from mindzero.core.versions import UnsupportedMindSpore
+
+    net = build(scn.model)
+    try:
+        mindzero.prepare_train_network(net, make_optimizer(scn.optimizer, net), zero_stage=1)
+        message = ""
+    except UnsupportedMindSpore as err:
+        message = str(err)
+    return Run({"refused": np.array(message)}, None, None)
 
 
 def _run(scn, world) -> Run:
