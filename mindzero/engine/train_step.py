@@ -250,6 +250,7 @@ class ZeroTrainOneStepCell(nn.Cell):
         self.set_train(True)
         self._compiled = False
         self._cache_looked = False
+        self._after_jit = None  # PyNative: the compiled steps after backward (_eager)
 
     def compile(self, *args, **kwargs):
         """Compile the step (graph mode), in the kernel execution order of its stage (see ``exec_order``)."""
@@ -263,21 +264,44 @@ class ZeroTrainOneStepCell(nn.Cell):
         return compiled
 
     def __call__(self, *args, **kwargs):
-        if not self._compiled and ms.get_context("mode") == ms.GRAPH_MODE:
-            # compile first, then give the compiler's freed heap back to the OS before the step allocates
-            # its own memory (glibc keeps it resident otherwise; docs/performance.md)
-            self.compile(*args, **kwargs)
-            release_host_memory()
-        self._compiled = True
-        loss, overflow, scale, handoff = super().__call__(*args, **kwargs)
+        if ms.get_context("mode") != ms.GRAPH_MODE:
+            loss, overflow, scale, handoff = self._eager(*args)
+        else:
+            if not self._compiled:
+                # compile first, then give the compiler's freed heap back to the OS before the step allocates
+                # its own memory (glibc keeps it resident otherwise; docs/performance.md)
+                self.compile(*args, **kwargs)
+                release_host_memory()
+            self._compiled = True
+            loss, overflow, scale, handoff = super().__call__(*args, **kwargs)
         self.states.after_step(handoff)
         return loss, overflow, scale
 
+    def _eager(self, *inputs):
+        """PyNative: forward and backward op by op, then everything after backward (reductions, overflow, clipping,
+        the update and its write-back) compiled once and run as one graph (``mindspore.jit``), as MindSpore runs its
+        own gradient reducers and optimizers in PyNative: op by op, each of those per-parameter collectives and
+        kernels would wait for the one before it."""
+        if self._after_jit is None:
+            self._after_jit = ms.jit(self._after_backward)
+        loss, grads, scale = self._forward_backward(*inputs)
+        # mutable: the gradients are the graph's inputs, not constants to compile it anew for at every step
+        overflow, scale, handoff = self._after_jit(ms.mutable(grads), scale)
+        return loss, overflow, scale, handoff
+
     def construct(self, *inputs):
+        loss, grads, scale = self._forward_backward(*inputs)
+        overflow, scale, handoff = self._after_backward(grads, scale)
+        return loss, overflow, scale, handoff
+
+    def _forward_backward(self, *inputs):
         scale = self.scale_sense * 1.0
         loss = self.network(*inputs)
         sens = ops.fill(loss.dtype, loss.shape, ops.cast(scale, loss.dtype))
-        grads = self.grad(self.network, self.weights)(*inputs, sens)
+        return loss, self.grad(self.network, self.weights)(*inputs, sens), scale
+
+    def _after_backward(self, grads, scale):
+        """Steps 2-7 of the module note: ``(overflow, scale, the store's handoff)``."""
         if self.reduce_dtype is not None:
             grads = MAP(ops.partial(cast_to, self.reduce_dtype), grads)
         if self.has_micro:
@@ -294,7 +318,7 @@ class ZeroTrainOneStepCell(nn.Cell):
                 grads = MAP(ops.partial(depend_on, step), self.accum_buffers)
                 overflow, _ = self._apply(grads, scale)
                 overflow = ops.depend(overflow, MAP(ops.partial(zero_after, overflow), self.accum_buffers))
-        return loss, overflow, scale, self.states.handoff(due, self._skipped(overflow), grads)
+        return overflow, scale, self.states.handoff(due, self._skipped(overflow), grads)
 
     def _apply(self, grads, scale):
         # every reduction is a sum over the world: one multiply by 1 / (loss_scale * K * N), right after each
