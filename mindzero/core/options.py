@@ -152,6 +152,9 @@ VARIABLES = (
              "the device to set (`CPU`, `GPU`, `Ascend`, any case) when `device=` is not given; unset: MindSpore's own"),
     Variable("MINDZERO_SUBSTITUTE_COLLECTIVES", "worlds made by `prepare_train_network`",
              "`1`: test-only, run the GPU/Ascend code on CPU with its group primitives substituted"),
+    Variable("MINDZERO_PYNATIVE_OP_BY_OP", "the train step in PyNative",
+             "`1`: run the reductions and the update op by op too, instead of as one compiled graph (slower; for "
+             "stepping through them or hooking their primitives)"),
     Variable("MINDZERO_LOG_DIR", "`python -m mindzero.launch`", "where rank 0 writes the scheduler's log (default `.`)"),
     Variable("MINDZERO_FULL_SUITE", "the test suite", "`1`: run the full tier (as `--full`)"),
     Variable("MS_COMPILER_CACHE_ENABLE", "`prepare_train_network`",

@@ -51,6 +51,7 @@ Returns ``(loss, overflow, loss_scale)`` like ``nn.TrainOneStepWithLossScaleCell
 from __future__ import annotations
 
 import contextlib
+import os
 
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
@@ -282,9 +283,12 @@ class ZeroTrainOneStepCell(nn.Cell):
         the update and its write-back) compiled once and run as one graph (``mindspore.jit``), as MindSpore runs its
         own gradient reducers and optimizers in PyNative: op by op, each of those per-parameter collectives and
         kernels would wait for the one before it."""
+        loss, grads, scale = self._forward_backward(*inputs)
+        if os.environ.get("MINDZERO_PYNATIVE_OP_BY_OP") == "1":
+            overflow, scale, handoff = self._after_backward(grads, scale)
+            return loss, overflow, scale, handoff
         if self._after_jit is None:
             self._after_jit = ms.jit(self._after_backward)
-        loss, grads, scale = self._forward_backward(*inputs)
         # mutable: the gradients are the graph's inputs, not constants to compile it anew for at every step
         overflow, scale, handoff = self._after_jit(ms.mutable(grads), scale)
         return loss, overflow, scale, handoff

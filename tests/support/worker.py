@@ -202,7 +202,10 @@ def _run(scn, world) -> Run:
 def counting_collectives():
     """PyNative: every call of MindSpore's ``AllReduce``, ``AllGather`` and ``ReduceScatter`` primitives while the
     block runs, as ``(op, bytes)`` in the yielded list (an all-gather's output, the others' input), and
-    ``{op: {"calls", "bytes"}}`` from :func:`tally`. Restores the primitives and graph mode after."""
+    ``{op: {"calls", "bytes"}}`` from :func:`tally`; the steps run op by op (``MINDZERO_PYNATIVE_OP_BY_OP``), so
+    every call reaches the primitive. Restores the primitives, the variable and graph mode after."""
+    import os
+
     import mindspore as ms
     from mindspore import ops
 
@@ -214,12 +217,18 @@ def counting_collectives():
             return out
         originals[cls] = cls.__call__
         cls.__call__ = counting
+    before = os.environ.get("MINDZERO_PYNATIVE_OP_BY_OP")
+    os.environ["MINDZERO_PYNATIVE_OP_BY_OP"] = "1"
     ms.set_context(mode=ms.PYNATIVE_MODE)
     try:
         yield counted
     finally:
         for cls, call in originals.items():
             cls.__call__ = call
+        if before is None:
+            os.environ.pop("MINDZERO_PYNATIVE_OP_BY_OP")
+        else:
+            os.environ["MINDZERO_PYNATIVE_OP_BY_OP"] = before
         ms.set_context(mode=ms.GRAPH_MODE)
 
 
