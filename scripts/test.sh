@@ -5,10 +5,11 @@
 # (`bash scripts/test.sh tests/unit`), pytest runs just that.
 #
 # `--mindspore VERSION` runs in .venv-mindspore-VERSION with that MindSpore (made by scripts/setup_env.sh, which
-# checks that installing mindzero left it in place) and, without a path, the suite's core: the pure and one-process
-# tiers and the launches of parity (every stage, flat and owner mode, fp32 and param_dtype, accumulation), the
-# optimizers, checkpoints (saved, resumed, merged), sharded initialisation and Model.train (docs/backends.md has the
-# versions measured).
+# checks that installing mindzero left it in place) and, without a path, the suite's core: the pure tier, the
+# one-process tier but for its two longest modules (test_one_process.py, whose stages at group size 1 the parity
+# launch runs at 2 ranks, and the planner's test_fit.py), and the launches of parity (every stage, flat and owner
+# mode, fp32 and param_dtype, accumulation, PyNative), the optimizers, checkpoints (saved, resumed, merged),
+# sharded initialisation and Model.train (docs/backends.md has the versions measured).
 #
 # Without a path, in two lanes at once:
 # - the launches that keep both cores busy with their ranks (one module at a time: their ranks compile side by side);
@@ -45,7 +46,9 @@ if [ -n "$MINDSPORE" ]; then  # the suite's core
   BUSY=(tests/multirank/test_parity.py tests/multirank/test_optimizers.py tests/multirank/test_checkpoint.py
         tests/multirank/test_sharded_init.py)
   BESIDE=(tests/multirank/test_model_train.py)
+  SINGLE=(tests/single tests/unit --ignore=tests/single/test_one_process.py --ignore=tests/single/test_fit.py)
 else
+  SINGLE=(tests/single tests/unit)
   BUSY=(tests/multirank/test_parity.py tests/multirank/test_optimizers.py tests/multirank/test_checkpoint.py
         tests/multirank/test_hybrid.py tests/multirank/test_sharded_init.py tests/multirank/test_quant.py)
   BESIDE=(tests/multirank/test_launcher.py tests/multirank/test_launch.py tests/multirank/test_faults.py
@@ -66,7 +69,7 @@ status=0
 busy=$!
 trap 'kill "$busy" 2>/dev/null || true' EXIT  # an interrupted run leaves no lane behind
 "${PYTEST[@]}" "${BESIDE[@]}" "$@" || status=$?
-"${PYTEST[@]}" -n 2 --dist loadfile tests/single tests/unit "$@" || status=$((status ? status : $?))
+"${PYTEST[@]}" -n 2 --dist loadfile "${SINGLE[@]}" "$@" || status=$((status ? status : $?))
 busy_status=0
 wait "$busy" || busy_status=$?
 echo "=== the busy lane (${BUSY[*]}) ==="

@@ -95,7 +95,8 @@ def test_gather_units_equal_per_parameter_gathers(run, name, ref):
 @scenarios(lambda name, ref: [name, ref])
 @pytest.mark.parametrize("name, ref", with_references(PYNATIVE))
 def test_pynative_trains_as_graph_mode(run, name, ref):
-    """PyNative runs the same train step op by op. Stages 1-2 of the tied GPT equal PyNative stage 0 bit for bit, and
+    """PyNative runs the same train step (forward and backward op by op, the rest compiled once). Stages 1-2 of the
+    tied GPT (the full tier) equal PyNative stage 0 bit for bit, and
     stage 3 with accumulation its graph-mode run. Two rows hold the parity bar, as their graph-mode twins do:
     PyNative stage 0 against graph mode's (the last bits of MindSpore's kernels in each mode), and stage 3 against
     stage 0 (the tied weight's two gradients summed in another order), their losses within :data:`LOSS_NOISE`."""
