@@ -278,14 +278,19 @@ def cached_compile(step, args, config, world):
     os.replace(tmp, directory / COMPLETE)
 
 
-def _entry_script() -> str:
-    """The script MindSpore's cache takes for the process's (its source is hashed into the cached graph's check)."""
+def mindspore_api():
+    """MindSpore's module that holds ``entry_script_path`` (``mindspore.graph.api``; before 2.9
+    ``mindspore.common.api``)."""
     try:
         from mindspore.graph import api
-    except ImportError:  # MindSpore before 2.9 keeps it in mindspore.common
+    except ImportError:
         from mindspore.common import api
+    return api
 
-    return api.entry_script_path or ""
+
+def _entry_script() -> str:
+    """The script MindSpore's cache takes for the process's (its source is hashed into the cached graph's check)."""
+    return mindspore_api().entry_script_path or ""
 
 
 @contextlib.contextmanager

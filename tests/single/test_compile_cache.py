@@ -17,7 +17,7 @@ from mindspore import Tensor, nn
 
 import mindzero
 from mindzero.comm.groups import rehearse
-from mindzero.engine.compile_cache import COMPLETE, step_key
+from mindzero.engine.compile_cache import COMPLETE, mindspore_api, step_key
 from tests.support.data import batch
 from tests.support.models import build, make_optimizer
 
@@ -135,7 +135,7 @@ def test_the_cache_setting_is_restored_for_the_users_graphs(tmp_path, monkeypatc
     """Only the step compiles with the cache: MindSpore's setting is the user's again after it, and a graph the
     user compiles next writes nothing to the step's directory. (In this process, compiled with the script MindSpore
     hashes set to this file: under pytest-xdist the process runs ``python -c``.)"""
-    from mindspore.graph import api
+    api = mindspore_api()
 
     monkeypatch.setattr(api, "entry_script_path", __file__)
     before = (ms.get_context("enable_compile_cache"), ms.get_context("compile_cache_path"))
@@ -155,7 +155,7 @@ def test_a_process_without_a_script_trains_without_the_cache(tmp_path, monkeypat
     """MindSpore's cache hashes the script the process runs; ``python -c`` or an interactive session has none (its
     own dependency scan then raises ``FileNotFoundError``): the step compiles without the cache, warned, and
     trains."""
-    from mindspore.graph import api
+    api = mindspore_api()
 
     monkeypatch.setattr(api, "entry_script_path", str(tmp_path / "-c"))
     with rehearse(2):
