@@ -16,7 +16,7 @@ from ..comm.groups import world_for
 from ..core.config import ZeroConfig
 from ..core.options import OPTIONS, merge_settings, off_defaults
 from ..core.settings import resolve_settings
-from ..core.versions import check_mindspore
+from ..core.versions import check_mindspore, warn_deviation
 from .assemble import assemble
 from .precision import check_precision, computing_in
 from .report import plan_text
@@ -131,6 +131,8 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
     given = locals()
     check_mindspore(ms.__version__)  # refuses one older than supported, warns once about one newer than tested
     zero = zero_config({o.name: given[o.name] for o in OPTIONS if o.argument}, config)
+    if zero.precision.param_dtype is not None and zero.zero_stage > 0:
+        warn_deviation(ms.__version__, "param_dtype")
     if not isinstance(network, nn.Cell):
         raise TypeError(f"network must be a mindspore.nn.Cell, got {type(network).__name__}")
     world = world_for(zero.groups)

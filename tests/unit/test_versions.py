@@ -143,3 +143,18 @@ def test_what_is_real_and_what_is_emulated():
     assert set(kinds("single").values()) == {LOCAL}
     with pytest.raises(ValueError, match="backend must be one of"):
         collective_routes("nccl")
+
+
+def test_a_known_deviation_is_warned_once_and_only_on_its_version(monkeypatch):
+    """param_dtype at stages 1-3 on MindSpore 2.7.1 (docs/backends.md's matrix) warns, naming the version and the
+    versions without it; other versions and settings do not."""
+    monkeypatch.setattr(versions, "_WARNED", set())
+    with pytest.warns(UserWarning, match=r"MindSpore 2\.7\.1: stages 1-3 with param_dtype .* 2\.7\.2 and later"):
+        assert versions.warn_deviation("2.7.1", "param_dtype")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert versions.warn_deviation("2.7.1", "param_dtype")  # once per process
+        assert not versions.warn_deviation("2.7.2", "param_dtype")
+        assert not versions.warn_deviation("2.10.0", "param_dtype")
+        assert not versions.warn_deviation("2.7.1", "offload")
+    assert all(v in TESTED_MINDSPORE for v, _ in versions.KNOWN_DEVIATIONS)
