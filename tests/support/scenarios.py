@@ -32,9 +32,9 @@ class Scenario:
     (:func:`mindzero.comm.substitute_collectives`). ``tier``: ``"default"``, or ``"full"``: a row the default
     suite leaves to the full tier (a sibling row of the default suite runs the same code path).
     ``reference``: the scenario it must equal, where one is named by the row itself. ``mode``: MindSpore's
-    execution mode of the run, ``"graph"`` or ``"pynative"`` (the same train step run op by op). With ``param_dtype`` in
-    ``settings`` the network computes in fp16, converted as ``amp`` says: ``"O2"``: by the test, wholly
-    (``mindspore.amp.auto_mixed_precision(net, "O2")``); ``"partial"``: by the test, the backbone of a
+    execution mode of the run, ``"graph"`` or ``"pynative"`` (the same train step, forward and backward op by op).
+    With ``param_dtype`` in ``settings`` the network computes in fp16, converted as ``amp`` says: ``"O2"``: by the
+    test, wholly (``mindspore.amp.auto_mixed_precision(net, "O2")``); ``"partial"``: by the test, the backbone of a
     ``WithLossCell`` only; ``"auto"``: not by the test (mindzero converts a network with no setup of its own).
     """
 
