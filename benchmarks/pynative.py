@@ -1,7 +1,7 @@
 """PyNative against graph mode: the first step and the steady step of plain DP and stages 0-3 in each mode.
 
     .venv/bin/python benchmarks/pynative.py [--models example,105m] [--configs dp,0,1,2,3] [--world 2]
-        [--steps 6] [--repeats 1] [--out runs/pynative]
+        [--steps 6] [--repeats 1] [--out runs/pynative] [--phases]
 
 One msrun launch per model, mode, configuration and repeat (``zero_bench_worker.py --mode graph|pynative``), the
 modes interleaved per configuration so that the machine's drift falls on both alike. Plain DP is what MindSpore
@@ -16,6 +16,11 @@ Per model, configuration and mode (rank 0, the median over the repeats): the fir
 ahead, graph mode compiles there) and the median steady step, each as a ratio to the same mode's plain DP; and
 PyNative's steady step over graph mode's. The goal checked: each stage's PyNative ratio to PyNative plain DP at
 most 1.2x its graph-mode ratio to graph-mode plain DP.
+
+``--phases``: instead, PyNative only, each configuration's step split into its phases
+(``pynative_phases_worker.py``: forward and backward; plain DP's all-reduce and update, mindzero's compiled part),
+each followed by a synchronisation, beside the whole step timed as a user runs it: where the phases' sum exceeds the
+whole step, they overlap.
 
 Writes ``results.json`` and ``results.md`` under ``--out``. Needs the machine alone.
 """
@@ -92,6 +97,35 @@ def markdown(rows: list, a) -> str:
     return "\n".join(lines)
 
 
+def phases(models, configs, a) -> None:
+    """``--phases``: per model and configuration one launch of ``pynative_phases_worker.py``; both ranks' medians."""
+    rows = []
+    for model in models:
+        for config in configs:
+            run_dir = Path(a.out) / f"phases_{model}_{config}"
+            t = time.time()
+            msrun(ROOT / "benchmarks" / "pynative_phases_worker.py", a.world, run_dir, timeout=a.timeout,
+                  args=["--config", config, "--steps", str(a.steps),
+                        *[x for k, v in MODELS[model].items() for x in (f"--{k}", str(v))]])
+            print(f"  {model} {NAMES[config]} phases: {time.time() - t:.0f}s", flush=True)
+            ranks = [json.loads((run_dir / f"rank_{r}.json").read_text()) for r in range(a.world)]
+            rows.append(dict(model=model, config=config, name=NAMES[config], ranks=ranks))
+    lines = [f"PyNative, {a.world} ranks, {a.steps} whole and {a.steps} split steps; seconds, rank 0 / rank 1 "
+             "(medians).", "",
+             "| model | configuration | whole step | forward + backward | all-reduce | update (mindzero: the compiled "
+             "part) | phases summed |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        def both(get):
+            return " / ".join(f"{get(k):.2f}" for k in r["ranks"])
+        lines.append(f"| {r['model']} | {r['name']} | {both(lambda k: k['whole_s'])} | "
+                     f"{both(lambda k: k['phases_s']['forward_backward'])} | {both(lambda k: k['phases_s']['reduce'])}"
+                     f" | {both(lambda k: k['phases_s']['update'])} | {both(lambda k: k['phases_sum_s'])} |")
+    out = Path(a.out)
+    (out / "results.json").write_text(json.dumps(dict(world=a.world, steps=a.steps, phases=rows), indent=1))
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="example,105m")
@@ -101,11 +135,14 @@ def main():
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default="runs/pynative")
+    ap.add_argument("--phases", action="store_true", help="PyNative's step split into its phases (module note)")
     a = ap.parse_args()
     models, configs = a.models.split(","), a.configs.split(",")
     bad = [m for m in models if m not in MODELS] + [c for c in configs if c not in ("dp", "0", "1", "2", "3")]
     if bad or "dp" not in configs:
         ap.error(f"--models from {list(MODELS)}, --configs from dp,0,1,2,3 with dp among them; got {bad or configs}")
+    if a.phases:
+        return phases(models, configs, a)
     runs = {m: {mode: {c: [] for c in configs} for mode in MODES} for m in models}
     for model in models:
         for repeat in range(a.repeats):
