@@ -44,11 +44,16 @@ GOAL = 1.2  # PyNative's ratio to its plain DP at most this times graph mode's
 PERSISTENCE = 100_000  # mindzero's default stage3_param_persistence_threshold
 
 
+def model_argv(model) -> list:
+    """The worker's arguments for ``model`` (``--dim 512 --layers 6 ...``)."""
+    return [x for k, v in MODELS[model].items() for x in (f"--{k}", str(v))]
+
+
 def run(model, mode, config, a, repeat) -> dict:
     run_dir = Path(a.out) / f"{model}_{mode}_{config}_r{repeat}"
     args = ["--config", config if config in ("dp", "0", "1", "2") else config + "p", "--mode", mode,
             "--steps", str(a.steps), "--persistence", str(PERSISTENCE),
-            *[x for k, v in MODELS[model].items() for x in (f"--{k}", str(v))]]
+            *model_argv(model)]
     if config != "dp":
         args.append("--lazy")
     t = time.time()
@@ -106,7 +111,7 @@ def phases(models, configs, a) -> None:
             t = time.time()
             msrun(ROOT / "benchmarks" / "pynative_phases_worker.py", a.world, run_dir, timeout=a.timeout,
                   args=["--config", config, "--steps", str(a.steps),
-                        *[x for k, v in MODELS[model].items() for x in (f"--{k}", str(v))]])
+                        *model_argv(model)])
             print(f"  {model} {NAMES[config]} phases: {time.time() - t:.0f}s", flush=True)
             ranks = [json.loads((run_dir / f"rank_{r}.json").read_text()) for r in range(a.world)]
             rows.append(dict(model=model, config=config, name=NAMES[config], ranks=ranks))

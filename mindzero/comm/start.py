@@ -19,8 +19,8 @@ from .groups import current_world
 
 def start_data_parallel(device: str = None, mode=None):
     """Start a data-parallel worker: ``mode`` (default graph mode; ``mindspore.PYNATIVE_MODE`` runs the same train
-    step with forward and backward eager), the device only where asked, then ``mindspore.communication.init()``. Call it once per process,
-    on every rank, before building the network.
+    step with forward and backward eager), the device only where asked, then ``mindspore.communication.init()``.
+    Call it once per process, on every rank, before building the network.
 
     Args:
         device: ``"CPU"``, ``"GPU"`` or ``"Ascend"`` (any case), or ``None``: ``$MINDZERO_DEVICE`` if set, else
