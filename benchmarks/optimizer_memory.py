@@ -14,8 +14,8 @@ and a matrix of optimizer x stage x eager/lazy build x fp32/fp16, on 2 ranks.
    after ``prepare_train_network`` (the step's Parameters written once, as the first step writes them) above the
    RSS before the build, next to the plan's bytes (``memory_report``'s formula: in fp32 stages 1-2 keep the
    user's full parameters and a master shard of each; with ``param_dtype`` the paper's figures).
-   The tutorial's runs ``1o``-``3o`` own every layer whole (``nn.Adam`` registered as not element-wise), as
-   PyTorch's ``ZeroRedundancyOptimizer`` partitions by parameter.
+   The tutorial's runs ``1o``-``3o`` own every layer whole (``update_sharding="owner"``), as PyTorch's
+   ``ZeroRedundancyOptimizer`` partitions by parameter.
 
 Writes ``results.json``, ``results.md`` and ``tutorial.png`` under ``--out``. Run it alone on the machine.
 """

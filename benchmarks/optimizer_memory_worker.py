@@ -73,9 +73,10 @@ def tutorial(a, world):
         train = nn.TrainOneStepCell(net, opt)
         train.set_train()
     else:
-        if a.config.endswith("o"):  # owner mode: each layer's Adam states whole on one rank, balanced by bytes
-            mindzero.register_elementwise_optimizer(nn.Adam, False)
-        train = mindzero.prepare_train_network(net, opt, zero_stage=int(a.config[0]))
+        # "o": update_sharding="owner": each layer updated whole on one rank (its Adam states there, balanced by
+        # bytes), the user's Parameter itself in fp32: no master shard
+        train = mindzero.prepare_train_network(net, opt, zero_stage=int(a.config[0]),
+                                               update_sharding="owner" if a.config.endswith("o") else "auto")
     after_prepare = settle()
     rng = np.random.RandomState(world.world_rank)
     x = Tensor(rng.randn(20, a.width).astype(np.float32))

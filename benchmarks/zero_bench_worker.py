@@ -247,13 +247,13 @@ def main():
         flags = a.config[1:] if not a.config.endswith("bfs") else ""
         half_reduce = "h" in flags and not a.fp16
         offload = {}
-        if "o" in flags:  # owner mode for every sharded parameter, whatever the probe says
-            mindzero.register_elementwise_optimizer(type(opt), False)
         if "d" in flags:
             offload_dir = Path(a.offload_dir or Path(a.out) / "offload")
             offload_dir.mkdir(parents=True, exist_ok=True)
             offload = dict(optimizer_offload="disk", offload_dir=str(offload_dir), offload_chunk_mb=a.chunk_mb)
-        train = mindzero.prepare_train_network(net, opt, zero_stage=int(a.config[0]), comm_fusion=fusion,
+        # "o": owner mode for every sharded parameter, whatever the probe says
+        owner = dict(update_sharding="owner") if "o" in flags else {}
+        train = mindzero.prepare_train_network(net, opt, zero_stage=int(a.config[0]), comm_fusion=fusion, **owner,
                                                stage3_regather=not a.no_regather,
                                                param_dtype="float16" if a.fp16 else None,
                                                gather_quantization="int8" if "q" in flags else None,

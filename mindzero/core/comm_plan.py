@@ -34,7 +34,7 @@ PERSISTENT_BUCKET_BYTES = 32 * 2 ** 20
 # an owner's updated parameters are broadcast in buckets of at most this many bytes (comm_fusion's allgather bucket
 # where it sets one): a bucket is concatenated on the owner and received whole on the others, so one bucket of
 # everything an owner holds would put 2-3 copies of 1/N of the model on every rank at once
-BROADCAST_BUCKET_BYTES = 32 * 2 ** 20
+BROADCAST_BUCKET_BYTES = 16 * 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,15 @@ def all_reduce_calls(specs, world: World, phase: str) -> list:
     return [Call("all_reduce", phase, world.world_size, sum(s.numel * s.itemsize for s in specs), len(specs))]
 
 
+def reduced_whole(param: ParamState, policy: StagePolicy) -> bool:
+    """Whether ``param``'s gradient is all-reduced whole though the stage shares its update out: an owner-mode
+    parameter at stage 1, where every rank holds full gradients anyway. Its owner updates from the full sum; the
+    all-reduce moves what a reduce-scatter and the all-gather to the owner would (on CPU, where a reduce-scatter is
+    an all-reduce and a slice, half of it), and holds no second full gradient."""
+    return (param.sharded and _mode(param) == OWNER and policy.shard_optimizer_states
+            and not policy.shard_gradients)
+
+
 def step_buckets(params, policy: StagePolicy, fusion: FusionConfig, widens: bool = False) -> tuple:
     """``(micro, boundary, gather, owner_grads, broadcasts)``: the :class:`~mindzero.core.state.CommBucket` tuples
     of one step, the one statement of which collective moves which tensor at each stage (the train step builds its
@@ -135,8 +144,9 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig, widens: bool
     (:class:`mindzero.engine.stage3.GatherFull`, no bucket); every stage all-reduces the rest (stage 0: every
     gradient) at the boundary, stage 3's persistent parameters in fused buckets whatever ``comm_fusion`` says
     (:data:`PERSISTENT_BUCKET_BYTES`). Then the update: stages 1-2 all-gather the updated flat master shards;
-    an owner-mode parameter's reduced gradient shard is all-gathered (its owner updates it whole: ``widens``, the
-    gradients are fp32 by then), and its updated value broadcast from its owner, in buckets per owner and dtype of
+    an owner-mode parameter's gradient is all-reduced whole at stage 1 (:func:`reduced_whole`), its reduced
+    gradient shard all-gathered at stages 2-3 (its owner updates it whole: ``widens``, the gradients are fp32 by
+    then), and its updated value broadcast from its owner, in buckets per owner and dtype of
     at most :data:`BROADCAST_BUCKET_BYTES` (at stage 3 every rank keeps its shard of it). The other buckets follow
     ``comm_fusion`` (one tensor each without it).
     """
@@ -146,13 +156,15 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig, widens: bool
         return tuple(CommBucket(tuple(positions[j] for j in b), kind, tuple(specs[j] for j in b))
                      for b in spec_buckets(specs, size))
 
-    sharded = [i for i, p in enumerate(params) if p.sharded]
+    whole = [i for i, p in enumerate(params) if reduced_whole(p, policy)]
+    sharded = [i for i, p in enumerate(params) if p.sharded and i not in whole]
     master_shards = policy.shard_optimizer_states and not policy.shard_parameters  # stages 1-2
     micro, boundary, gather = (), (), ()
     if master_shards and policy.shard_gradients:
         micro = units(sharded, REDUCE_SCATTER, "reduce_scatter")
     elif master_shards:
         boundary = units(sharded, REDUCE_SCATTER, "reduce_scatter")
+    boundary += units(whole, ALL_REDUCE, "allreduce")
     replicated = [i for i, p in enumerate(params) if not p.sharded]
     persistent = [i for i in replicated if params[i].spec.reason == REASON_PERSISTENT]
     boundary += units([i for i in replicated if params[i].spec.reason != REASON_PERSISTENT], ALL_REDUCE, "allreduce")
@@ -160,9 +172,10 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig, widens: bool
                       bucket_bytes=fusion.bucket_bytes("allreduce") or PERSISTENT_BUCKET_BYTES)
     if master_shards:
         gather = units([i for i in sharded if _mode(params[i]) == FLAT], ALL_GATHER, "allgather", held=True)
-    owned = [i for i in sharded if _mode(params[i]) == OWNER]
+    owned = [i for i, p in enumerate(params) if p.sharded and _mode(p) == OWNER]
     owner_grads = tuple(CommBucket((i,), ALL_GATHER, (replace(params[i].reduce_spec, dtype="float32")
-                                                         if widens else params[i].reduce_spec,)) for i in owned)
+                                                         if widens else params[i].reduce_spec,))
+                        for i in owned if i not in whole)
     broadcasts = []
     for root in sorted({params[i].update.owner for i in owned}):
         mine = [i for i in owned if params[i].update.owner == root]

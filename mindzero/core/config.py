@@ -18,6 +18,7 @@ from typing import Optional
 
 from .checks import is_int, is_number, require_bool, require_int
 from .offload import OffloadPolicy
+from .optim_plan import UPDATE_SHARDINGS
 from .options import ARGUMENT_DEFAULTS
 from .plan import Persistence
 from .quant import GatherQuantization
@@ -380,6 +381,7 @@ class ZeroConfig:
     stage3: Stage3Policy = field(default_factory=Stage3Policy)
     offload: OffloadPolicy = None  # None: no offload; OffloadPolicy.parse(optimizer_offload, offload_dir, ...)
     compile_cache: Optional[str] = None  # a directory for the compiled train step (mindzero.engine.compile_cache)
+    update_sharding: str = "auto"  # one of UPDATE_SHARDINGS (mindzero.core.optim_plan's note)
 
     def __post_init__(self):
         if self.precision is None:
@@ -405,6 +407,8 @@ class ZeroConfig:
             if not isinstance(self.compile_cache, (str, os.PathLike)) or str(self.compile_cache) == "":
                 raise ValueError(f"compile_cache must be None or a directory path, got {self.compile_cache!r}")
             object.__setattr__(self, "compile_cache", str(self.compile_cache))
+        if self.update_sharding not in UPDATE_SHARDINGS:
+            raise ValueError(f"update_sharding must be one of {list(UPDATE_SHARDINGS)}, got {self.update_sharding!r}")
         if not is_number(self.clip_norm) or not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be a number > 0, got {self.clip_norm!r}")
         self.stage3.check_stage(self.zero_stage)
@@ -447,7 +451,7 @@ class ZeroConfig:
                           groups=GroupPolicy(a["optimizer_parallel_group"], a["dp_group"], a["hybrid_shard_size"]),
                           offload=OffloadPolicy.parse(a["optimizer_offload"], a["offload_dir"], a["offload_chunk_mb"],
                                                       a["offload_keep"]),
-                          compile_cache=a["compile_cache"],
+                          compile_cache=a["compile_cache"], update_sharding=a["update_sharding"],
                           stage3=Stage3Policy(a["stage3_regather"], a["shard_frozen"],
                                               GatherQuantization.parse(a["gather_quantization"]),
                                               GatherUnits.parse(a["gather_units"]),

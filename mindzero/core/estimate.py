@@ -131,7 +131,8 @@ def estimate_memory(network_or_param_shapes, zero_stage: int, op_size: int, opti
     optimized = [s for s in plan if s.optimized]
     keeps_master = precision.enabled or policy.shard_parameters
     updates = planned_updates(optimized, model, policy.shard_optimizer_states, op_size,
-                              lambda s: s.numel * (4 if precision.enabled else s.itemsize) if keeps_master else 0)
+                              lambda s: s.numel * (4 if precision.enabled else s.itemsize) if keeps_master else 0,
+                              config.update_sharding)
     by_name = {s.name: u for s, u in zip(optimized, updates)}
     split = key in SPLITTABLE_MODELS or getattr(model, "splittable", False)  # disk offload cuts into pieces
     ranks = [expected_bytes(plan, config, by_name, r, split_pieces=split) for r in range(op_size)]

@@ -15,7 +15,11 @@ parallel's, and mindzero picks one per parameter:
   updates it whole, as plain data parallel does.
 
 Which mode a parameter gets is decided from the optimizer itself (:mod:`mindzero.engine.probe`), per parameter:
-one optimizer may hold both kinds (Muon for matrices, AdamW for the rest).
+one optimizer may hold both kinds (Muon for matrices, AdamW for the rest). That is ``update_sharding="auto"``, the
+default (DeepSpeed's layout where the update allows it). ``update_sharding="owner"`` makes every sharded parameter an
+owner-mode one, as PyTorch's ``ZeroRedundancyOptimizer`` partitions by parameter: in fp32 at stages 1-2 the owner
+updates the user's Parameter itself, so no rank holds a master shard beside it (flat mode keeps one, 1/N of the
+parameter), at the cost of a broadcast per parameter after the update and states balanced by whole parameters.
 
 Each optimizer state of a parameter has a *layout* (:class:`StateSpec`): ``element`` (shaped as the parameter:
 sharded with it in flat mode), ``scalar`` (one value per parameter, such as ASGD's ``eta``: every rank of a flat
@@ -31,6 +35,9 @@ from .plan import dtype_bytes
 
 FLAT, OWNER, WHOLE = "flat", "owner", "whole"
 MODES = (FLAT, OWNER, WHOLE)
+#: ``update_sharding``'s values: decide per parameter (flat where element-wise), or every sharded parameter owned
+AUTO, EVERY_OWNER = "auto", "owner"
+UPDATE_SHARDINGS = (AUTO, EVERY_OWNER)
 ELEMENT, SCALAR, OTHER = "element", "scalar", "other"
 LAYOUTS = (ELEMENT, SCALAR, OTHER)
 
@@ -255,17 +262,18 @@ OPTIMIZER_MODELS = {
 }
 
 
-def planned_updates(specs, model, shard: bool, op_size: int, master_bytes=None) -> tuple:
+def planned_updates(specs, model, shard: bool, op_size: int, master_bytes=None, sharding: str = AUTO) -> tuple:
     """The :class:`Update` each of ``specs`` (the optimized parameters' plan entries) would get from an optimizer
     keeping what ``model`` says (an :class:`OptimizerModel`, in fp32, or a :class:`MeasuredModel`): whole where nothing is shared out (``shard`` False: stage 0; or the plan
     keeps the parameter whole), flat or owner by ``model``'s element-wise rule, owners assigned as a run assigns
-    them (``master_bytes(spec)``: the full master an owner keeps, see :func:`owner_cost`)."""
+    them (``master_bytes(spec)``: the full master an owner keeps, see :func:`owner_cost`); ``sharding``:
+    ``update_sharding`` (:data:`EVERY_OWNER`: every shared-out parameter owner mode)."""
     decided = []
     for spec in specs:
         states = model.states_of(spec)
         if not shard or not spec.sharded:
             decided.append((WHOLE, states))
-        elif model.elementwise_of(spec):
+        elif sharding == AUTO and model.elementwise_of(spec):
             decided.append((FLAT, states))
         else:
             decided.append((OWNER, states))

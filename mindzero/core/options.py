@@ -59,6 +59,8 @@ OPTIONS = (
     Option("offload_keep", False, "a bool: leave the state files at exit (disk offload)"),
     Option("compile_cache", None, "`None` or a directory: the compiled train step is kept there, under a key of "
                                   "everything that shapes it, and the next launch with the same key loads it"),
+    Option("update_sharding", "auto", "`\"auto\"` (flat shards where the update is element-wise, else an owner rank) "
+                                      "or `\"owner\"` (every sharded parameter updated whole on one owner rank)"),
     Option("hybrid_shard_size", None, "`None` or an int >= 1: ranks per op group", argument=False),
 )
 #: option name -> default

@@ -78,12 +78,15 @@ class ParamState:
     master: Optional[MasterPair] = None  # how the target is written back into the weight, if it is not it
     accum: object = None  # the gradient accumulation buffer (K > 1): full, or a shard from stage 2
     update: object = None  # its mindzero.core.optim_plan.Update: flat, owner (and which op rank) or whole
+    all_reduced: bool = False  # its gradient is all-reduced whole though it is sharded (a stage-1 owner-mode
+    #                            parameter: mindzero.core.comm_plan.reduced_whole)
 
     @property
     def norm_kind(self) -> int:
         """At clip time the gradient is a shard (sharded), the full gradient of a plan-sharded parameter
-        at stage 0 (this rank counts its own slice), or replicated (counted once)."""
-        return SHARD if self.sharded else OWN_SLICE if self.spec.sharded else REPLICATED
+        (stage 0, or all-reduced whole for its owner: this rank counts its own slice), or replicated (counted
+        once)."""
+        return SHARD if self.sharded and not self.all_reduced else OWN_SLICE if self.spec.sharded else REPLICATED
 
 
 @dataclass(eq=False)
@@ -113,7 +116,7 @@ class ZeroState:
     boundary: tuple = ()  # CommBucket: reductions at the accumulation boundary
     gather: tuple = ()  # CommBucket: stage 1-2 all-gathers of the updated flat master shards (positions in
     #                     optimizer order)
-    owner_grads: tuple = ()  # CommBucket: the all-gathers of owner-mode gradients before the update (one each)
+    owner_grads: tuple = ()  # CommBucket: the all-gathers of owner-mode gradient shards before the update (one each)
     broadcasts: tuple = ()  # CommBucket: the write-back of owner-mode parameters, one per owner and dtype
     state_attrs: tuple = ()  # the optimizer's per-parameter state tuples (attribute names)
     scale_sense: object = None  # the loss-scale Parameter

@@ -9,7 +9,7 @@ import dataclasses
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
-from ..core.comm_plan import state_calls, step_buckets
+from ..core.comm_plan import reduced_whole, state_calls, step_buckets
 from ..core.config import LossScale, ZeroConfig
 from ..core.introspect import param_infos
 from ..core.optim_plan import FLAT, OWNER, assign_owners, owner_cost, placeholder_shape
@@ -98,13 +98,15 @@ def _decide_updates(layout: OptimizerLayout, params: tuple, config: ZeroConfig, 
     """Each :class:`ParamState`'s ``update``: flat, owner or whole (:func:`mindzero.engine.probe.decide_modes`),
     owners balanced by the bytes each one holds (:func:`mindzero.core.optim_plan.assign_owners`: states, and the
     full master an owner keeps with ``param_dtype`` or at stage 3)."""
-    decided = decide_modes(layout, [ps.spec for ps in params], config.policy.shard_optimizer_states)
+    decided = decide_modes(layout, [ps.spec for ps in params], config.policy.shard_optimizer_states,
+                           config.update_sharding)
     keeps_master = config.precision.enabled or config.policy.shard_parameters
     costs = [owner_cost(states, ps.spec.numel * (4 if config.precision.enabled else ps.spec.itemsize)
                         if keeps_master else 0)
              for ps, (mode, _, states) in zip(params, decided) if mode == OWNER]
     for ps, update in zip(params, with_owners(decided, assign_owners(costs, world.op_size))):
         ps.update = update
+        ps.all_reduced = reduced_whole(ps, config.policy)
 
 
 @dataclasses.dataclass

@@ -205,15 +205,23 @@ def _refresh(after, op_rank, op_size, master, held, sliced, padding):
     return ops.assign(master, ops.select(kept, master, ops.cast(value, master.dtype)))
 
 
+# what the optimizer is handed for one gradient (OwnerGradients): the gradient as reduced (not owner mode, or a
+# full gradient its owner updates from), the full gradient gathered from the reduced shards (its owner), zeros of
+# the stand-in's shape after that gather (every other rank), or those zeros alone (a full gradient of another owner)
+AS_REDUCED, GATHER_FOR_OWNER, GATHER_FOR_OTHER, STAND_IN = 0, 1, 2, 3
+
+
 @owner_grad.register("Tensor", "Function", "Tensor", "Number", "Number", "Tuple", "Tuple")
-def _owner_grad(token, gather, g, kind, numel, shape, stand_in):
-    """Owner mode: ``g`` (kind 0, not owner-mode), or the all-gathered full gradient (kind 1: its owner), or zeros
-    of the stand-in's shape made after the gather (kind 2: every other rank); each gather after the previous
+def _owner_grad(token, gather, g, handed, numel, shape, stand_in):
+    """Owner mode: what the optimizer gets for gradient ``g`` (``handed``: one of :data:`AS_REDUCED`,
+    :data:`GATHER_FOR_OWNER`, :data:`GATHER_FOR_OTHER`, :data:`STAND_IN`); each gather after the previous
     collective (``token``)."""
-    if kind == 0:
+    if handed == AS_REDUCED:
         return g
+    if handed == STAND_IN:  # after the full gradient, which the owner's optimizer reads at this point: the
+        return ops.depend(ops.zeros(stand_in, g.dtype), g)  # all-reduce has the same consumers on every rank
     full = after_collective(token, gather(in_order(token, g)))
-    if kind == 1:
+    if handed == GATHER_FOR_OWNER:
         if full.shape[0] != numel:
             full = full[:numel]
         return full.reshape(shape)

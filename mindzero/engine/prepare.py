@@ -32,7 +32,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
                           reduce_dtype=None, shard_frozen=True, gather_quantization=None, gather_units=None,
                           stage3_param_persistence_threshold=100_000,
                           stage3_model_persistence_threshold=None, offload_dir=None, offload_chunk_mb=8,
-                          offload_keep=False, compile_cache=None, config=None):
+                          offload_keep=False, compile_cache=None, update_sharding="auto", config=None):
     """Wrap ``network`` (which returns the loss) and ``optimizer`` into a ZeRO train step.
 
     Must be called on all ranks, with the same network and optimizer structure,
@@ -112,6 +112,12 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
             settings compile anew. With MindSpore's cache on for the whole process (``MS_COMPILER_CACHE_ENABLE=1``)
             and no ``compile_cache``, the step is kept the same way under ``<its path>/mindzero``.
             :mod:`mindzero.engine.compile_cache`, docs/performance.md.
+        update_sharding: how stages 1-3 share the update out. ``"auto"``: a parameter whose update is
+            element-wise (Adam, SGD, ...) is updated as flat 1/N shards, any other whole on one owner rank (chosen
+            per parameter from the optimizer, :mod:`mindzero.core.optim_plan`). ``"owner"``: every sharded
+            parameter is updated whole on one owner rank and broadcast, as PyTorch's ``ZeroRedundancyOptimizer``
+            partitions by parameter: in fp32 at stages 1-2 no rank keeps a master shard beside the network's
+            Parameter (less memory, one broadcast per parameter more; docs/stages.md).
         parallel_modules: mindone's argument; not needed (stage 3 works for any Cell): a value raises
             ``NotImplementedError``.
         config: a settings file (YAML path) or mapping (:func:`mindzero.load_config`) holding any of the

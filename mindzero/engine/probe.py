@@ -50,7 +50,7 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn
 
 from ..core.offload import SPLITTABLE_OPTIMIZERS
-from ..core.optim_plan import ELEMENT, FLAT, OTHER, OWNER, WHOLE, MeasuredModel, Update
+from ..core.optim_plan import AUTO, ELEMENT, EVERY_OWNER, FLAT, OTHER, OWNER, WHOLE, MeasuredModel, Update
 from .compile_cache import without_process_cache
 from .materialize import is_lazy, np_dtype
 from .optim import OPTIMIZER_BASES, OptimizerLayout, family, qualified_name
@@ -84,10 +84,11 @@ def registered(cls):
     return None
 
 
-def decide_modes(layout: OptimizerLayout, specs, shard: bool) -> list:
+def decide_modes(layout: OptimizerLayout, specs, shard: bool, sharding: str = AUTO) -> list:
     """``[(mode, why, states)]`` per optimizer parameter, before owners are assigned: :data:`WHOLE` where the
     stage does not shard (``shard`` False, or the plan keeps the parameter whole), else :data:`FLAT` or
-    :data:`OWNER` (see the module note); ``states``: its :class:`~mindzero.core.optim_plan.StateSpec`.
+    :data:`OWNER` (see the module note; ``sharding``: ``update_sharding``, :data:`EVERY_OWNER` makes every shared-out
+    parameter owner mode); ``states``: its :class:`~mindzero.core.optim_plan.StateSpec`.
 
     Raises:
         ValueError: a class registered element-wise whose parameter has a state of another shape.
@@ -107,6 +108,8 @@ def decide_modes(layout: OptimizerLayout, specs, shard: bool) -> list:
             out.append((WHOLE, "", states[i]))
         elif forced is False:
             out.append((OWNER, f"{cls.__name__} is registered as not element-wise", states[i]))
+        elif sharding == EVERY_OWNER:
+            out.append((OWNER, f"update_sharding={EVERY_OWNER!r}", states[i]))
         elif other:
             if forced:
                 raise ValueError(f"optimizer {cls.__name__} is registered element-wise, but its state "

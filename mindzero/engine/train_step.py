@@ -57,6 +57,7 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from ..comm.cells import AllReduceSum, AnyRank, Bucket, FusedAllReduceSum, FusedReduceScatterSum, ReduceScatterSum
+from ..core.optim_plan import OWNER
 from ..core.state import CAST, REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
 from ..core.topology import World
 from ..core.host import release_host_memory
@@ -381,5 +382,6 @@ def _states(state: ZeroState, optimizer, weights):
     if state.offload is not None:
         return DiskStates(state.offload, state.layout, state.config.gradient_accumulation_steps > 1, write_back, ema,
                           weights)
-    return InMemoryStates(state.layout, optimizer, OwnerGradients(state) if state.owner_grads else None, write_back,
+    owned = any(ps.update is not None and ps.update.mode == OWNER for ps in state.params)
+    return InMemoryStates(state.layout, optimizer, OwnerGradients(state) if owned else None, write_back,
                           ema, weights)

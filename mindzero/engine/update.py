@@ -16,8 +16,9 @@ from ..comm.cells import AllGather, Bucket, FusedAllGather
 from ..core.optim_plan import OWNER, placeholder_shape
 from ..core.state import CAST, GATHER, ZeroState
 from ..core.topology import World
-from .kernels import (MAP, after_collective, broadcast_input, broadcast_write, gather_unit, gather_unit_in_order,
-                      gather_write, gather_write_in_order, in_order, owner_grad, refresh, write_cast)
+from .kernels import (AS_REDUCED, GATHER_FOR_OTHER, GATHER_FOR_OWNER, MAP, STAND_IN, after_collective, broadcast_input,
+                      broadcast_write, gather_unit, gather_unit_in_order, gather_write, gather_write_in_order, in_order,
+                      owner_grad, refresh, write_cast)
 
 
 class GatherInto(nn.Cell):
@@ -148,10 +149,22 @@ class Refresh(nn.Cell):
                                      self.helds, self.sliced, self.paddings))
 
 
+def handed(ps, op_rank: int) -> int:
+    """What the optimizer of op rank ``op_rank`` is handed for ``ps``'s gradient (:data:`AS_REDUCED`,
+    :data:`GATHER_FOR_OWNER`, :data:`GATHER_FOR_OTHER` or :data:`STAND_IN`)."""
+    mine = ps.update.owned_by(op_rank)
+    if ps.update.mode != OWNER or (mine and ps.all_reduced):
+        return AS_REDUCED
+    if ps.all_reduced:
+        return STAND_IN
+    return GATHER_FOR_OWNER if mine else GATHER_FOR_OTHER
+
+
 class OwnerGradients(nn.Cell):
-    """Owner mode: each owner-mode parameter's reduced gradient shard is all-gathered (every rank, in optimizer
-    order); its owner hands the full gradient to the optimizer, every other rank a stand-in of zeros (of the
-    stand-in's shape) made after the gather. Other gradients pass as they are."""
+    """Owner mode: its owner hands each owner-mode parameter's full gradient to the optimizer (all-gathered from
+    the reduced shards on every rank, in optimizer order, at stages 2-3; as all-reduced at stage 1), every other
+    rank a stand-in of zeros (of the stand-in's shape; made after the gather where there is one). Other gradients
+    pass as they are."""
 
     def __init__(self, state: ZeroState):
         super().__init__(auto_prefix=False)
@@ -160,8 +173,7 @@ class OwnerGradients(nn.Cell):
         gather = AllGather(state.world)
         self.gathers = (gather,) * n  # mapped beside the gradients (kernels note)
         self.gather = gather
-        self.kinds = tuple(0 if ps.update.mode != OWNER else 1 if ps.update.owned_by(op_rank) else 2
-                           for ps in state.params)
+        self.kinds = tuple(handed(ps, op_rank) for ps in state.params)
         self.numels = tuple(ps.spec.numel for ps in state.params)
         self.shapes = tuple(tuple(ps.spec.shape) for ps in state.params)
         self.stand_ins = tuple(placeholder_shape(ps.spec.shape, ps.spec.shape) for ps in state.params)

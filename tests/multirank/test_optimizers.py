@@ -83,6 +83,9 @@ def test_owners_are_spread_and_the_report_counts_what_is_held(out, case):
         assert len({v for v in owners.values() if v >= 0}) == min(n, len(owned))  # every rank owns something
         for r in rows:
             assert int(r["moments"]) == int(r["expected_moments"]), (case.name, stage)
+            assert int(r["masters"]) == int(r["expected_masters"]), (case.name, stage)
+            if stage < 3 and all(m == OWNER for m in (case.matrix, case.vector)):  # fp32: the owner updates the
+                assert int(r["masters"]) == 0, (case.name, stage)  # user's Parameter, no master beside it
             np.testing.assert_array_equal(r["balance"], rows[0]["balance"])
 
 

@@ -47,7 +47,7 @@ def _train(case, stage, world, steps, lazy):
         net.set_train()
         step = ReferenceStep(net, opt) if case.torch_style else nn.TrainOneStepCell(net, opt)
     else:
-        step = mindzero.prepare_train_network(net, opt, zero_stage=stage)
+        step = mindzero.prepare_train_network(net, opt, zero_stage=stage, **dict(case.options))
     losses = []
     for s in range(steps):
         out = step(*OptNet.batch(s, world.world_rank))
@@ -63,6 +63,7 @@ def _train(case, stage, world, steps, lazy):
     return dict(losses=np.array(losses), **{"param/" + k: v for k, v in params.items()},
                 **{"mode/" + k: np.array(v) for k, v in modes.items()}, **{"owner/" + k: np.array(v) for k, v in owners.items()},
                 owned=np.array(report["owned"]), moments=np.array(report["optimizer_moments"]),
+                masters=np.array(report["master_shards"]), expected_masters=np.array(report["expected"]["master_shards"]),
                 expected_moments=np.array(report["expected"]["optimizer_moments"]),
                 balance=np.array(report["balance"]["per_rank"], np.float64))
 

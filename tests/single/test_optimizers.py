@@ -139,7 +139,7 @@ def test_the_probe_decides_every_optimizer_of_the_table(case):
     before = {key: p.asnumpy().copy() for key, p in layout.scalars.items()}
     states = [s.asnumpy().copy() for group in layout.states.values() for s in group]
     specs = PartitionPlan.build([ParamInfo(p.name, tuple(p.shape)) for p in layout.params], 2, 0).specs
-    decided = decide_modes(layout, specs, True)
+    decided = decide_modes(layout, specs, True, dict(case.options).get("update_sharding", "auto"))
     assert {p.name: mode for p, (mode, _, _) in zip(layout.params, decided)} == parameter_modes(case, net)
     for key, p in layout.scalars.items():
         np.testing.assert_array_equal(p.asnumpy(), before[key], err_msg=key)

@@ -93,6 +93,7 @@ class OptimizerCase:
     torch_style: bool = False
     matrix: str = FLAT
     vector: str = FLAT
+    options: tuple = ()  # prepare_train_network's options beyond the stage, as (name, value) pairs
 
     def mode(self, shape) -> str:
         return self.matrix if len(shape) >= 2 else self.vector
@@ -121,6 +122,10 @@ CASES = [
     OptimizerCase("nn.AdaFactor-fixed-lr", lambda ps: nn.AdaFactor(ps, learning_rate=1e-2, scale_parameter=False,
                                                                    relative_step=False, warmup_init=False),
                   matrix=OWNER, vector=OWNER),
+    # every parameter owned whole (update_sharding="owner"): in fp32 at stages 1-2 the owner updates the user's
+    # Parameter itself, no master shard beside it
+    OptimizerCase("nn.Adam-owned", lambda ps: nn.Adam(ps, 1e-2), matrix=OWNER, vector=OWNER,
+                  options=(("update_sharding", "owner"),)),
     OptimizerCase("nn.LazyAdam", lambda ps: nn.LazyAdam(ps, 1e-2)),
     OptimizerCase("nn.FTRL", lambda ps: nn.FTRL(ps, learning_rate=1e-2)),
     OptimizerCase("nn.ProximalAdagrad", lambda ps: nn.ProximalAdagrad(ps, 1e-2)),
@@ -143,11 +148,13 @@ ALSO_AT_STAGE1 = ("nn.Adam", "nn.ASGD", "experimental.Adam", "mint.optim.SGD", "
 
 def stages_for(case: OptimizerCase, full_tier: bool) -> tuple:
     """The stages the optimizer launch trains ``case`` at: stage 3 always (shards, masters, owners gathering into
-    shards); stage 1 too for the owner-mode optimizers and :data:`ALSO_AT_STAGE1` (its update is stage 2's: the
-    same shards or owners and write-back, only where gradients are reduced differs, which no optimizer sees; and
-    without accumulation, as here, stage 2 compiles stage 1's graph node for node: tests/single/test_one_process.py,
-    with CAME's owner mode among its cases); stages 1-3 in the full tier."""
-    if full_tier:
+    shards); stage 1 too for the owner-mode optimizers and :data:`ALSO_AT_STAGE1` (a flat update at stage 1 is
+    stage 2's: the same shards and write-back, only where gradients are reduced differs, which no optimizer sees;
+    without accumulation, as here, stage 2 compiles stage 1's graph node for node: tests/single/test_one_process.py);
+    stages 1-3 in the full tier, and for a case with options of its own (``update_sharding="owner"``: owner mode's
+    stage 1 all-reduces the owners' gradients whole, its stage 2 gathers them from shards, whatever the
+    optimizer)."""
+    if full_tier or case.options:
         return (1, 2, 3)
     if case.name in ALSO_AT_STAGE1 or OWNER in (case.matrix, case.vector):
         return (1, 3)

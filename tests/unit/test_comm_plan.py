@@ -108,23 +108,54 @@ def test_owner_broadcasts_are_bucketed_per_owner_and_dtype_and_bounded():
     from mindzero.core.optim_plan import FLAT, OWNER, Update
     from mindzero.core.state import BROADCAST_FROM, ParamState
 
-    side = 2048  # a 16 MiB fp32 matrix
+    side = 1448  # an 8 MiB fp32 matrix (a little less)
     infos = [ParamInfo(f"w{i}", (side, side), "float16" if i == 5 else "float32") for i in range(6)]
     infos.append(ParamInfo("bias", (7,)))
     plan = PartitionPlan.build(infos, 2, 0)
     owners = [0, 1, 0, 0, 1, 0, None]
     params = tuple(ParamState(s.name, None, s, s, True, update=Update(FLAT) if o is None else Update(OWNER, o))
                    for s, o in zip(plan, owners))
-    policy = ZeroConfig(1, 1, False).policy
+    policy = ZeroConfig(2, 1, False).policy
     *_, owner_grads, broadcasts = step_buckets(params, policy, FusionConfig())
     assert [b.positions for b in owner_grads] == [(i,) for i in range(6)]
     assert all(b.kind == BROADCAST_FROM for b in broadcasts)
-    # owner 0: w0, w2 (32 MiB: one bucket), w3 (alone), w5 (float16: a bucket of its own); owner 1: w1, w4
+    # owner 0: w0, w2 (16 MiB: one bucket), w3 (alone), w5 (float16: a bucket of its own); owner 1: w1, w4
     assert [(b.root, b.positions) for b in broadcasts] == [(0, (0, 2)), (0, (3,)), (0, (5,)), (1, (1, 4))]
     assert all(sum(s.numel * s.itemsize for s in b.specs) <= BROADCAST_BUCKET_BYTES for b in broadcasts)
-    *_, broadcasts = step_buckets(params, policy, FusionConfig(allgather=16 * MIB))
+    *_, broadcasts = step_buckets(params, policy, FusionConfig(allgather=8 * MIB))
     assert [(b.root, b.positions) for b in broadcasts] == [(0, (0,)), (0, (2,)), (0, (3,)), (0, (5,)), (1, (1,)),
                                                            (1, (4,))]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_owner_mode_gradients_are_all_reduced_whole_at_stage_1_and_gathered_from_shards_above(stage):
+    """Where every rank holds full gradients (stage 1) an owner-mode parameter's gradient is all-reduced whole at the
+    boundary, as plain data parallel's, and no gather to its owner follows; from stage 2 its reduced shard is
+    all-gathered before the update. Flat parameters are reduce-scattered either way, and the clip norm counts an
+    all-reduced gradient by this rank's slice (OWN_SLICE), a shard as it is."""
+    from mindzero.core.comm_plan import reduced_whole, step_buckets
+    from mindzero.core.optim_plan import FLAT, OWNER, Update
+    from mindzero.core.state import ALL_REDUCE, OWN_SLICE, REDUCE_SCATTER, SHARD, ParamState
+
+    plan = PartitionPlan.build([ParamInfo(f"w{i}", (33, 5)) for i in range(3)], 2, 0)
+    policy = ZeroConfig(stage, 1, False).policy
+    params = tuple(ParamState(s.name, None, s, s, True, update=Update(FLAT) if o is None else Update(OWNER, o))
+                   for s, o in zip(plan, [None, 0, 1]))
+    for p in params:
+        p.all_reduced = reduced_whole(p, policy)
+    micro, boundary, gather, owner_grads, broadcasts = step_buckets(params, policy, FusionConfig())
+    reductions = {i: b.kind for b in micro + boundary for i in b.positions}
+    if stage == 1:
+        assert [p.all_reduced for p in params] == [False, True, True]
+        assert reductions == {0: REDUCE_SCATTER, 1: ALL_REDUCE, 2: ALL_REDUCE} and owner_grads == ()
+        assert [p.norm_kind for p in params] == [SHARD, OWN_SLICE, OWN_SLICE]
+    else:
+        assert not any(p.all_reduced for p in params)
+        assert [b.positions for b in owner_grads] == [(1,), (2,)]
+        assert [p.norm_kind for p in params] == [SHARD] * 3
+        if stage == 2:
+            assert reductions == {i: REDUCE_SCATTER for i in range(3)}
+    assert [(b.root, b.positions) for b in broadcasts] == [(0, (1,)), (1, (2,))]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -150,4 +181,4 @@ def test_the_update_is_chained_only_where_owner_mode_makes_the_ranks_graphs_diff
     assert not flat.ordered
     assert bool(flat.gather) == (stage in (1, 2))  # stages 1-2 gather every updated shard: unchained
     owned = state([0, 1, None, None])
-    assert owned.ordered and owned.owner_grads and owned.broadcasts
+    assert owned.ordered and owned.broadcasts and bool(owned.owner_grads) == (stage > 1)

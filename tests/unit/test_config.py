@@ -143,7 +143,7 @@ def test_the_options_table_is_every_option_once():
     from mindzero.core.settings import SETTING_KEYS
 
     names = [o.name for o in OPTIONS]
-    assert len(names) == len(set(names)) == 27
+    assert len(names) == len(set(names)) == 28
     assert ARGUMENT_DEFAULTS == {o.name: o.default for o in OPTIONS}
     assert set(SETTING_KEYS) == {o.name for o in OPTIONS if o.in_settings} and set(NOT_IN_SETTINGS).isdisjoint(SETTING_KEYS)
     config = ZeroConfig.from_arguments({})  # every default parses, and gives ZeroConfig's own defaults
