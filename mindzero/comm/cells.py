@@ -126,6 +126,53 @@ class FusedAllGather(nn.Cell):
         return column_pieces(rows, bucket[4], bucket[2])
 
 
+class InOrder(nn.Cell):
+    """A collective chained through ``token`` (a scalar Parameter): its input is read after the last collective
+    recorded in ``token``, and its output records itself there, so the next chained collective waits for it.
+    MindSpore keeps the reads and writes of one Parameter in program order; independent collectives it orders
+    as it schedules each rank's graph, which differs between ranks whose graphs differ (two all-gathers of
+    different sizes meet: "RingAllGather Memcpy error"). Made by :class:`UpdateCollectives` only."""
+
+    def __init__(self, op, token):
+        super().__init__(auto_prefix=False)
+        self.op = op
+        self.token = token
+
+    def construct(self, x, *args):
+        out = self.op(ops.depend(x, self.token + 0), *args)
+        return ops.depend(out, ops.assign(self.token, ops.depend(self.token + 1, out)))
+
+
+class UpdateCollectives:
+    """The factory of a train step's update collectives (the write-back gathers, the owners' gradient gathers and
+    broadcasts): every one it makes is chained through ``token`` (:class:`InOrder`) when a token is given, none
+    otherwise; the train step gives one exactly where its ranks compile different update graphs
+    (``ZeroState.ordered``). No update collective is made elsewhere, so none can be left off the chain."""
+
+    def __init__(self, world: World, token=None):
+        self.world = world
+        self.token = token
+
+    @property
+    def ordered(self) -> bool:
+        return self.token is not None
+
+    def _made(self, op):
+        return op if self.token is None else InOrder(op, self.token)
+
+    def all_gather(self):
+        """:class:`AllGather` over the op group."""
+        return self._made(AllGather(self.world))
+
+    def fused_all_gather(self):
+        """:class:`FusedAllGather`: ``(shards, bucket)``."""
+        return self._made(FusedAllGather(self.world))
+
+    def broadcast(self, root: int):
+        """The broadcast of a tuple of tensors from op rank ``root`` (``(values, bucket)``)."""
+        return self._made(backend_of(self.world).broadcast(root))
+
+
 def shard_gather(world: World, numel: int, padding: int, reduce_dtype=None):
     """The stage-3 gather primitive of a parameter of ``numel`` elements padded by ``padding``, and the rows
     (world ranks) of this rank's op group its reader keeps (``None``: all); ``(None, None)`` in a world of

@@ -33,9 +33,7 @@ store = ops.MultitypeFuncGraph("mindzero_store")
 zero_after = ops.MultitypeFuncGraph("mindzero_zero_after")
 depend_on = ops.MultitypeFuncGraph("mindzero_depend_on")
 gather_unit = ops.MultitypeFuncGraph("mindzero_gather_unit")
-gather_unit_in_order = ops.MultitypeFuncGraph("mindzero_gather_unit_in_order")
 gather_write = ops.MultitypeFuncGraph("mindzero_gather_write")
-gather_write_in_order = ops.MultitypeFuncGraph("mindzero_gather_write_in_order")
 write_gathered = ops.MultitypeFuncGraph("mindzero_write_gathered")
 refresh = ops.MultitypeFuncGraph("mindzero_refresh")
 owner_grad = ops.MultitypeFuncGraph("mindzero_owner_grad")
@@ -143,17 +141,6 @@ def _depend_on(after, x):
     return ops.depend(x, after)
 
 
-def in_order(token, x):
-    """``x``, ordered after the last collective :func:`after_collective` recorded in ``token`` (the note in
-    :mod:`mindzero.engine.train_step`): it depends on a read of ``token`` (a load after every earlier write)."""
-    return ops.depend(x, token + 0)
-
-
-def after_collective(token, out):
-    """``out``, recorded in ``token`` as the last collective issued, so the next one waits for it."""
-    return ops.depend(out, ops.assign(token, ops.depend(token + 1, out)))
-
-
 @gather_unit.register("Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
 def _gather_unit(after, fulls, shards, gather, positions, bucket):
     """After ``after``: one bucket's all-gather of updated master shards into their full parameters (in the
@@ -163,23 +150,11 @@ def _gather_unit(after, fulls, shards, gather, positions, bucket):
     return MAP(write_gathered, held, gather(MAP(ops.partial(cast_to, held[0].dtype), shards), bucket))
 
 
-@gather_unit_in_order.register("Tensor", "Tensor", "Tuple", "Tuple", "Function", "Tuple", "Tuple")
-def _gather_unit_in_order(after, token, fulls, shards, gather, positions, bucket):
-    """:func:`_gather_unit` after the previous collective (``token``), recorded as the last one."""
-    return after_collective(token, _gather_unit(in_order(token, after), fulls, shards, gather, positions, bucket))
-
-
 @gather_write.register("Tensor", "Function", "Tensor", "Tensor")
 def _gather_write(after, gather, full, shard):
     """After ``after``: one all-gather of an updated master shard into its full parameter (mixed precision: in
     param_dtype, half the bytes of fp32)."""
     return _write_gathered(full, gather(_cast_to(full.dtype, ops.depend(shard, after))))
-
-
-@gather_write_in_order.register("Tensor", "Tensor", "Function", "Tensor", "Tensor")
-def _gather_write_in_order(after, token, gather, full, shard):
-    """:func:`_gather_write` after the previous collective (``token``), recorded as the last one."""
-    return after_collective(token, _gather_write(in_order(token, after), gather, full, shard))
 
 
 @write_gathered.register("Tensor", "Tensor")
@@ -211,16 +186,16 @@ def _refresh(after, op_rank, op_size, master, held, sliced, padding):
 AS_REDUCED, GATHER_FOR_OWNER, GATHER_FOR_OTHER, STAND_IN = 0, 1, 2, 3
 
 
-@owner_grad.register("Tensor", "Function", "Tensor", "Number", "Number", "Tuple", "Tuple")
-def _owner_grad(token, gather, g, handed, numel, shape, stand_in):
+@owner_grad.register("Function", "Tensor", "Number", "Number", "Tuple", "Tuple")
+def _owner_grad(gather, g, handed, numel, shape, stand_in):
     """Owner mode: what the optimizer gets for gradient ``g`` (``handed``: one of :data:`AS_REDUCED`,
-    :data:`GATHER_FOR_OWNER`, :data:`GATHER_FOR_OTHER`, :data:`STAND_IN`); each gather after the previous
-    collective (``token``)."""
+    :data:`GATHER_FOR_OWNER`, :data:`GATHER_FOR_OTHER`, :data:`STAND_IN`); ``gather``: one of the update's
+    collectives (chained)."""
     if handed == AS_REDUCED:
         return g
     if handed == STAND_IN:  # after the full gradient, which the owner's optimizer reads at this point: the
         return ops.depend(ops.zeros(stand_in, g.dtype), g)  # all-reduce has the same consumers on every rank
-    full = after_collective(token, gather(in_order(token, g)))
+    full = gather(g)
     if handed == GATHER_FOR_OWNER:
         if full.shape[0] != numel:
             full = full[:numel]

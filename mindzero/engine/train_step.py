@@ -39,11 +39,13 @@ In graph mode every rank compiles its own graph: owner mode makes the optimizer'
 updates a parameter whole, the others a stand-in of a few elements), never the collectives: every rank issues the
 same collectives, from the same buckets (:func:`mindzero.core.comm_plan.step_buckets`). Where the graphs differ,
 MindSpore's scheduler would order independent collectives differently on different ranks (two all-gathers of
-different sizes would meet: "RingAllGather Memcpy error"), so from the owner-mode gradients' all-gathers
-on every collective of the update waits for the one before it: each records itself in ``state.order`` (a scalar
-Parameter) and the next reads it first (MindSpore keeps reads and writes of a Parameter in program order). Without
-owner mode every rank compiles the same graph and the update's collectives are not chained (``state.ordered``):
-the chain would add a quarter of a stage-1 step's graph to compile and order nothing the scheduler does not.
+different sizes would meet: "RingAllGather Memcpy error"), so every collective of the update waits for the one
+before it: each records itself in ``state.order`` (a scalar Parameter) and the next reads it first (MindSpore keeps
+reads and writes of a Parameter in program order). The update's collectives all come from one
+:class:`~mindzero.comm.cells.UpdateCollectives` (:func:`_states`), which chains every one it makes, so no call site
+can leave the chain out. Without owner mode every rank compiles the same graph and the factory chains nothing
+(``state.ordered``): the chain would add a quarter of a stage-1 step's graph to compile and order nothing the
+scheduler does not.
 
 Returns ``(loss, overflow, loss_scale)`` like ``nn.TrainOneStepWithLossScaleCell``;
 ``loss`` is this rank's local loss of the micro-batch.
@@ -56,7 +58,8 @@ import os
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from ..comm.cells import AllReduceSum, AnyRank, Bucket, FusedAllReduceSum, FusedReduceScatterSum, ReduceScatterSum
+from ..comm.cells import (AllReduceSum, AnyRank, Bucket, FusedAllReduceSum, FusedReduceScatterSum, ReduceScatterSum,
+                          UpdateCollectives)
 from ..core.optim_plan import OWNER
 from ..core.state import CAST, REDUCE_SCATTER, REPLICATED, SHARD, ZeroState
 from ..core.topology import World
@@ -376,12 +379,15 @@ class ZeroTrainOneStepCell(nn.Cell):
 
 
 def _states(state: ZeroState, optimizer, weights):
-    """The store of the optimizer's states (:mod:`mindzero.engine.states`), holding the update's Cells."""
-    write_back = WriteBack(state) if state.gather or state.broadcasts or state.masters_of(CAST) else None
+    """The store of the optimizer's states (:mod:`mindzero.engine.states`), holding the update's Cells, whose
+    collectives all come from one :class:`~mindzero.comm.cells.UpdateCollectives`: chained through ``state.order``
+    where the step is ordered (``state.ordered``), the one place that decides it."""
+    collectives = UpdateCollectives(state.world, state.order if state.ordered else None)
+    write_back = WriteBack(state, collectives) if state.gather or state.broadcasts or state.masters_of(CAST) else None
     ema = state.ema
     if state.offload is not None:
         return DiskStates(state.offload, state.layout, state.config.gradient_accumulation_steps > 1, write_back, ema,
                           weights)
     owned = any(ps.update is not None and ps.update.mode == OWNER for ps in state.params)
-    return InMemoryStates(state.layout, optimizer, OwnerGradients(state) if owned else None, write_back,
+    return InMemoryStates(state.layout, optimizer, OwnerGradients(state, collectives) if owned else None, write_back,
                           ema, weights)

@@ -4,36 +4,31 @@ gathered to their owners (:class:`OwnerGradients`); after it, the write-back (:c
 all-gather the updated flat master shards into the full parameters (:class:`GatherInto`), owners broadcast what
 they updated, ``param_dtype`` masters are cast back.
 
-Where owner mode makes the ranks' update graphs differ, every collective of the update runs after the one before
-it (``state.order``, ``state.ordered``: the train step's module note).
+Every update collective comes from the step's :class:`~mindzero.comm.cells.UpdateCollectives`, which chains each
+through ``state.order`` where owner mode makes the ranks' update graphs differ (``state.ordered``: the train step's
+module note), so every one runs after the one before it.
 """
 from __future__ import annotations
 
 from mindspore import ParameterTuple, nn, ops
 
-from ..comm.backends import backend_of
-from ..comm.cells import AllGather, Bucket, FusedAllGather
+from ..comm.cells import Bucket, UpdateCollectives
 from ..core.optim_plan import OWNER, placeholder_shape
 from ..core.state import CAST, GATHER, ZeroState
 from ..core.topology import World
-from .kernels import (AS_REDUCED, GATHER_FOR_OTHER, GATHER_FOR_OWNER, MAP, STAND_IN, after_collective, broadcast_input,
-                      broadcast_write, gather_unit, gather_unit_in_order, gather_write, gather_write_in_order, in_order,
-                      owner_grad, refresh, write_cast)
+from .kernels import (AS_REDUCED, GATHER_FOR_OTHER, GATHER_FOR_OWNER, MAP, STAND_IN, broadcast_input, broadcast_write,
+                      gather_unit, gather_write, owner_grad, refresh, write_cast)
 
 
 class GatherInto(nn.Cell):
     """Stages 1-2: all-gather updated flat master shards, each written into its full network parameter (one
     all-gather per ``comm_fusion`` bucket; per tensor without fusion). ``units``: the ``gather``
     :class:`~mindzero.core.state.CommBucket` (positions in optimizer order); ``fulls`` / ``shards``: the
-    parameters and their master shards, one per optimizer position (``None`` where none is gathered). ``token``:
-    the update's chain (``ZeroState.order``) where its collectives are ordered (``ZeroState.ordered``), else
-    ``None``."""
+    parameters and their master shards, one per optimizer position (``None`` where none is gathered);
+    ``collectives``: the step's :class:`~mindzero.comm.cells.UpdateCollectives`."""
 
-    def __init__(self, units, world: World, fulls, shards, token):
+    def __init__(self, units, collectives: UpdateCollectives, fulls, shards):
         super().__init__(auto_prefix=False)
-        self.ordered = token is not None
-        if self.ordered:
-            self.token = token
         order = [i for u in units for i in u.positions]
         at = {i: k for k, i in enumerate(order)}
         self.fulls = ParameterTuple([fulls[i] for i in order])
@@ -41,18 +36,13 @@ class GatherInto(nn.Cell):
         self.positions = tuple(tuple(at[i] for i in u.positions) for u in units)
         self.buckets = tuple(Bucket.of(u.specs) for u in units)
         self.per_tensor = all(len(pos) == 1 for pos in self.positions)
-        self.gather = AllGather(world) if self.per_tensor else FusedAllGather(world)
+        self.gather = collectives.all_gather() if self.per_tensor else collectives.fused_all_gather()
         self.gathers = (self.gather,) * (len(order) if self.per_tensor else len(units))  # mapped (kernels note)
 
     def construct(self, after):
         """Gather after ``after``; returns ``after`` made to depend on every write."""
-        if self.per_tensor and self.ordered:
-            done = MAP(ops.partial(gather_write_in_order, after, self.token), self.gathers, self.fulls, self.shards)
-        elif self.per_tensor:
+        if self.per_tensor:
             done = MAP(ops.partial(gather_write, after), self.gathers, self.fulls, self.shards)
-        elif self.ordered:
-            done = MAP(ops.partial(gather_unit_in_order, after, self.token, self.fulls, self.shards), self.gathers,
-                       self.positions, self.buckets)
         else:
             done = MAP(ops.partial(gather_unit, after, self.fulls, self.shards), self.gathers, self.positions,
                        self.buckets)
@@ -66,11 +56,11 @@ class _OwnerBroadcast(nn.Cell):
     every other rank receives into its own copy (stages 1-2) or a zero buffer of the full shape (stage 3); then
     every rank writes the value, or at stage 3 its shard of it, into the network's tensor."""
 
-    def __init__(self, bucket, state: ZeroState):
+    def __init__(self, bucket, state: ZeroState, collectives: UpdateCollectives):
         super().__init__(auto_prefix=False)
         world = state.world
         params = [state.params[i] for i in bucket.positions]
-        self.op = backend_of(world).broadcast(bucket.root)
+        self.op = collectives.broadcast(bucket.root)
         self.bucket = Bucket.of(bucket.specs)
         self.mine = tuple(ps.update.owned_by(world.op_rank) for ps in params)
         self.sources = ParameterTuple([ps.target for ps in params])
@@ -79,17 +69,14 @@ class _OwnerBroadcast(nn.Cell):
         self.paddings = tuple(ps.spec.padding for ps in params)
         self.sharded = state.config.policy.shard_parameters
         self.op_rank, self.op_size = world.op_rank, world.op_size
-        self.token = state.order
 
     def construct(self, after):
-        # after the previous collective (``token``): a non-owner's input does not depend on the update, and
-        # inside the update's branch ``after`` is a constant, so nothing else orders it
-        values = MAP(ops.partial(broadcast_input, in_order(self.token, after), self.sharded), self.mine,
-                     self.shapes, self.sources, self.helds)
+        values = MAP(ops.partial(broadcast_input, after, self.sharded), self.mine, self.shapes, self.sources,
+                     self.helds)
         out = self.op(values, self.bucket)
         done = MAP(ops.partial(broadcast_write, self.op_rank, self.op_size, self.sharded), self.paddings, self.helds,
                    out)
-        return ops.depend(after, after_collective(self.token, done))
+        return ops.depend(after, done)
 
 
 class WriteBack(nn.Cell):
@@ -99,13 +86,14 @@ class WriteBack(nn.Cell):
     ``param_dtype`` every other master is cast to ``param_dtype`` and assigned to its network parameter (no
     communication)."""
 
-    def __init__(self, state: ZeroState):
+    def __init__(self, state: ZeroState, collectives: UpdateCollectives):
         super().__init__(auto_prefix=False)
         self.has_gather = bool(state.gather)
         if self.has_gather:
-            self.gather = GatherInto(state.gather, state.world, [ps.weight for ps in state.params],
-                                     [ps.target for ps in state.params], state.order if state.ordered else None)
-        self.broadcasts = nn.CellList([_OwnerBroadcast(b, state) for b in state.broadcasts], auto_prefix=False)
+            self.gather = GatherInto(state.gather, collectives, [ps.weight for ps in state.params],
+                                     [ps.target for ps in state.params])
+        self.broadcasts = nn.CellList([_OwnerBroadcast(b, state, collectives) for b in state.broadcasts],
+                                      auto_prefix=False)
         self.has_broadcast = bool(state.broadcasts)
         local = state.masters_of(CAST)
         self.has_local = bool(local)
@@ -166,11 +154,10 @@ class OwnerGradients(nn.Cell):
     rank a stand-in of zeros (of the stand-in's shape; made after the gather where there is one). Other gradients
     pass as they are."""
 
-    def __init__(self, state: ZeroState):
+    def __init__(self, state: ZeroState, collectives: UpdateCollectives):
         super().__init__(auto_prefix=False)
         n, op_rank = len(state.params), state.world.op_rank
-        self.token = state.order
-        gather = AllGather(state.world)
+        gather = collectives.all_gather()
         self.gathers = (gather,) * n  # mapped beside the gradients (kernels note)
         self.gather = gather
         self.kinds = tuple(handed(ps, op_rank) for ps in state.params)
@@ -179,5 +166,4 @@ class OwnerGradients(nn.Cell):
         self.stand_ins = tuple(placeholder_shape(ps.spec.shape, ps.spec.shape) for ps in state.params)
 
     def construct(self, grads):
-        return MAP(ops.partial(owner_grad, self.token), self.gathers, grads, self.kinds, self.numels, self.shapes,
-                   self.stand_ins)
+        return MAP(owner_grad, self.gathers, grads, self.kinds, self.numels, self.shapes, self.stand_ins)

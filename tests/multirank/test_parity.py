@@ -131,6 +131,26 @@ def test_gather_units_cut_the_gathers_counted_in_the_executed_graph(run):
         assert "weight gathers" not in one["verbose"]
 
 
+def test_every_update_collective_of_an_owner_mode_step_is_on_the_order_chain(run):
+    """Owner mode makes the ranks' update graphs differ, so every collective of the update must wait for the one
+    before it: in the graph MindSpore executes (TinyGPT, SGD, ``update_sharding="owner"``, every parameter owned),
+    the chain is written exactly once per update collective (the owners' gradient gathers at stage 2, the
+    broadcasts), and those are the plan's. A collective made outside the step's UpdateCollectives would be one
+    more all-gather or broadcast than writes of the chain."""
+    n, res = run
+    for r in range(n):
+        c = res.json(r, "unit_gathers.json")
+        for variant, gathers in (("owner1", 0), ("owner2", None)):
+            got = c[variant]
+            assert got["broadcast"] == got["plan"]["broadcast"] > 0, (variant, got)
+            assert got["all_gather"] == got["plan"]["all_gather"], (variant, got)
+            if gathers is not None:  # stage 1 all-reduces the owners' gradients whole: no gather
+                assert got["all_gather"] == gathers, (variant, got)
+            else:
+                assert got["all_gather"] > 0, (variant, got)
+            assert got["chain_writes"] == got["all_gather"] + got["broadcast"], (variant, got)
+
+
 def test_the_compiled_steps_collective_kernels_are_the_plans(run):
     """The all-gathers of a compiled stage-1 and stage-3 TinyGPT step (SGD, every parameter sharded), read in the
     graph MindSpore executes: stage 1 compiles one write-back gather per parameter, the plan's count, each of a size

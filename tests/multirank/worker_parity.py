@@ -70,7 +70,8 @@ def count_unit_gathers(world, out_dir):
     """Graph mode: the collectives of one compiled TinyGPT step counted in the executed graph MindSpore saves
     (``save_graphs``), next to the plan's: stage 3 with and without ``gather_units="block"`` (one unit of the
     block's 12 parameters), and stage 1 (its write-back gathers, and how often the graph touches the update's
-    chain, ``zero_collective_order``: never without owner mode)."""
+    chain, ``zero_collective_order``: never without owner mode); stages 1 and 2 with ``update_sharding="owner"``
+    (every update collective and every write of the chain)."""
     import re
     import tempfile
 
@@ -79,14 +80,17 @@ def count_unit_gathers(world, out_dir):
     from tests.support.graphs import last_graph, saved_graphs
 
     results = {}
-    for variant, stage, units in (("per_parameter", 3, None), ("units", 3, "block"), ("stage1", 1, None)):
+    variants = (("per_parameter", 3, None, "auto"), ("units", 3, "block", "auto"), ("stage1", 1, None, "auto"),
+                ("owner1", 1, None, "owner"), ("owner2", 2, None, "owner"))
+    for variant, stage, units, sharding in variants:
         # only the graphs of passes named "execute" (45 files instead of 564; a first step 14 s -> 7 s)
         with tempfile.TemporaryDirectory(dir=out_dir) as ir:
             with saved_graphs(ir, "execute"):
                 net = build("gpt")
                 # every parameter sharded (threshold 0), so that the block's unit holds all 12
                 train = mindzero.prepare_train_network(net, make_optimizer("sgd", net), zero_stage=stage,
-                                                       gather_units=units, stage3_param_persistence_threshold=0)
+                                                       gather_units=units, stage3_param_persistence_threshold=0,
+                                                       update_sharding=sharding)
                 train(*batch(type(net), 0, world.world_rank, 0))
             text = last_graph(ir, "execute")
         sizes = re.findall(r"= AllGather\(.*\n.*?: \(<Tensor\[Float32\], \((\d+)\)>\) ->", text)
@@ -94,7 +98,10 @@ def count_unit_gathers(world, out_dir):
         results[variant] = dict(all_gather=len(re.findall(r"= AllGather\(", text)), gather_sizes=[int(x) for x in sizes],
                                 all_reduce=len(re.findall(r"= AllReduce\(", text)),
                                 chain=len(re.findall(r"zero_collective_order", text)),
-                                plan={op: plan[op]["calls"] for op in ("all_gather", "all_reduce")},
+                                broadcast=len(re.findall(r"= Broadcast\(", text)),
+                                chain_writes=len(re.findall(r"= (?:PrimFunc_)?Assign\(%para\d+_zero_collective_order",
+                                                            text)),
+                                plan={op: plan[op]["calls"] for op in ("all_gather", "all_reduce", "broadcast")},
                                 plan_gather_bytes=sorted({c.nbytes for c in train.zero_info.calls
                                                           if c.op == "all_gather"}),
                                 units=[list(u) for u in train.zero_info.units],
