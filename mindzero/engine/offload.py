@@ -43,7 +43,7 @@ from .kernels import MAP, store
 from .materialize import np_dtype
 from .optim import qualified_name
 from .probe import optimizer_view, signature
-from .states import nbytes
+from .states import StateStore, UpdateTail, nbytes
 
 #: optimizers whose update gives each element the same bits whatever piece of the parameter it is computed in, so
 #: disk offload may cut their parameters into pieces (at multiples of 4096 elements, memory 64-byte aligned).
@@ -171,49 +171,29 @@ class OffloadFile:
         self._finalizer()
 
 
-class _AfterUpdate(nn.Cell):
-    """What follows the streamed update, as a small graph of its own: the write-back (unless the update was
-    skipped) and the EMA (the train step's own Cells, see :class:`~mindzero.engine.states.InMemoryStates`)."""
-
-    def __init__(self, write_back=None, ema=None, weights=None):
-        super().__init__(auto_prefix=False)
-        self.has_write_back, self.has_ema = write_back is not None, ema is not None
-        if self.has_write_back:
-            self.write_back = write_back
-        if self.has_ema:
-            self.ema, self.weights = ema, weights
-
-    def construct(self, skipped):
-        after = skipped
-        if self.has_write_back:
-            if not skipped:
-                after = self.write_back(after)
-        if self.has_ema:
-            after = ops.depend(after, self.ema(self.weights, skipped))
-        return after
+# what the graph decided at a step, for the streamed update after it (DiskStates.pending)
+NO_UPDATE, UPDATE, SKIPPED = 0, 1, 2
 
 
-class DiskStates(nn.Cell):
-    """The optimizer states on disk (the store interface: :mod:`mindzero.engine.states`).
+class DiskStates(StateStore):
+    """The optimizer states on disk (a :class:`~mindzero.engine.states.StateStore`).
 
     In the graph the store takes the reduced gradients (with accumulation into one buffer per optimizer parameter,
     as a graph's branch cannot return them; without, as the step's fourth output) and records in ``pending``
-    what the graph decided at every step: 1 update, 2 update step skipped for overflow, 0 no update step. After the
-    graph, :meth:`after_step` streams the update (module docstring) and runs :class:`_AfterUpdate`.
+    what the graph decided at every step (:data:`UPDATE`, :data:`SKIPPED` for overflow, :data:`NO_UPDATE`). After
+    the graph, :meth:`after_step` streams the update (module docstring) and runs the tail (write-back and EMA) as a
+    small graph of its own.
     """
 
-    def __init__(self, file: OffloadFile, optim_layout, accumulate: bool, write_back=None, ema=None, weights=None):
-        super().__init__(auto_prefix=False)
+    def __init__(self, file: OffloadFile, optim_layout, accumulate: bool, tail: UpdateTail):
+        super().__init__(tail)
         file.file.flush()  # the states written by keep()
         self.disk, self.layout, self.accumulate = file, optim_layout, accumulate
         params = list(optim_layout.params)
         self.grads = ParameterTuple([Parameter(Tensor(np.zeros(p.shape, np_dtype(p.dtype))),
                                                name="zero_offload_grad." + p.name, requires_grad=False)
                                      for p in params] if accumulate else [])
-        self.pending = Parameter(Tensor(0, ms.int32), name="zero_offload_pending", requires_grad=False)
-        self.has_after = write_back is not None or ema is not None
-        if self.has_after:
-            self.after = _AfterUpdate(write_back, ema, weights)
+        self.pending = Parameter(Tensor(NO_UPDATE, ms.int32), name="zero_offload_pending", requires_grad=False)
         self.scratch = (*file.placeholders, *self.grads, self.pending)  # stand-ins, gradients between steps, flag
         self.stream = _Stream(file, optim_layout)
 
@@ -222,11 +202,8 @@ class DiskStates(nn.Cell):
             return ops.depend(after, MAP(store, self.grads, grads))
         return after
 
-    def settle(self, skipped, overflow):
-        return overflow
-
     def handoff(self, due, skipped, grads):
-        decided = ops.select(skipped, Tensor(2, ms.int32), Tensor(1, ms.int32)) * ops.cast(due, ms.int32)
+        decided = ops.select(skipped, Tensor(SKIPPED, ms.int32), Tensor(UPDATE, ms.int32)) * ops.cast(due, ms.int32)
         ops.assign(self.pending, decided)
         if self.accumulate:
             return ()
@@ -234,15 +211,15 @@ class DiskStates(nn.Cell):
 
     def after_step(self, handoff) -> None:
         decided = int(self.pending.asnumpy())  # what the graph decided (class docstring)
-        if not decided:
+        if decided == NO_UPDATE:
             return
-        if decided == 1:
+        if decided == UPDATE:
             first = not self.stream.update_seconds
             self.stream.update(handoff if handoff else self.grads)
             if first:  # the views compiled: give the compiler's freed heap back, as after the step's compile
                 release_host_memory()
-        if self.has_after:
-            self.after(Tensor(decided == 2, ms.bool_))
+        if not self.tail.empty:
+            self.tail(Tensor(decided == SKIPPED, ms.bool_))
 
     def state(self, attr, index) -> DiskState:
         return self.disk.state(attr, index)

@@ -1,7 +1,7 @@
 """Where the optimizer's states live, behind one interface: the train step, :func:`mindzero.memory_report` and
 checkpoints read and write them through it, whatever the store.
 
-A store is a child Cell of the train step (``train_step.states``) with:
+A store is a child Cell of the train step (``train_step.states``), a :class:`StateStore` with:
 
 - ``construct(grads, after) -> after``: in the step's graph, inside the update's branch (the update is due and not
   skipped for overflow), after the masters' refresh: what the update does with the reduced gradients;
@@ -12,7 +12,8 @@ A store is a child Cell of the train step (``train_step.states``) with:
 - ``after_step(handoff)``: in Python, after the graph;
 - ``state(attr, index)``: optimizer parameter ``index``'s state ``attr`` as checkpoints read and load it;
 - ``scratch``: its Parameters that are no checkpoint entry;
-- ``bytes()``: what it holds, by kind (``memory_report``), and ``describe()``: a line for the report, or ``None``.
+- ``bytes()``: what it holds, by kind (``memory_report``), and ``describe()``: a line for the report, or ``None``;
+- ``tail``: its :class:`UpdateTail`, the write-back and the EMA after the update, the same Cell for every store.
 
 :class:`InMemoryStates`: the states are the optimizer's Parameters and the update is the graph's.
 :class:`~mindzero.engine.offload.DiskStates` (``optimizer_offload="disk"``): the states are in a file and the update
@@ -30,37 +31,58 @@ def nbytes(tensor) -> int:
     return int(tensor.nbytes)
 
 
-class InMemoryStates(nn.Cell):
-    """The optimizer's states are its own Parameters: the update runs in the step's graph, the owner-mode gradients
-    gathered first (``owner_grads``), the write-back (``write_back``) after it in the same branch, the EMA
-    (``ema`` of ``weights``) at every update step, skipped or not. Holds the train step's own Cells."""
+class UpdateTail(nn.Cell):
+    """What follows the optimizer's update, whatever the store: the write-back (``write_back``: stages 1-2 gather
+    the updated master shards, owners broadcast, ``param_dtype`` masters are cast back; only where the update ran)
+    and the EMA (``ema`` of ``weights``, at every update step, skipped or not: a skipped one leaves it as it is).
+    The in-memory store runs :meth:`write` inside the update's branch and :meth:`average` at every update step; the
+    disk store runs both after its streamed update (``construct``)."""
 
-    def __init__(self, layout, optimizer, owner_grads=None, write_back=None, ema=None, weights=None):
+    def __init__(self, write_back=None, ema=None, weights=None):
         super().__init__(auto_prefix=False)
-        self.layout = layout
-        self.optimizer = optimizer
-        self.has_owner_grads, self.has_write_back, self.has_ema = (owner_grads is not None, write_back is not None,
-                                                                   ema is not None)
-        if self.has_owner_grads:
-            self.owner_grads = owner_grads
+        self.has_write_back, self.has_ema = write_back is not None, ema is not None
         if self.has_write_back:
             self.write_back = write_back
         if self.has_ema:
             self.ema, self.weights = ema, weights
+
+    @property
+    def empty(self) -> bool:
+        return not (self.has_write_back or self.has_ema)
+
+    def write(self, after):
+        """The write-back after ``after``; returns ``after`` made to depend on it."""
+        if self.has_write_back:
+            return self.write_back(after)
+        return after
+
+    def average(self, skipped, after):
+        """The EMA after the write-back (stages 1-2 average the updated full parameters); returns ``after`` made
+        to depend on it."""
+        if self.has_ema:
+            return ops.depend(after, self.ema(self.weights, skipped))
+        return after
+
+    def construct(self, skipped):
+        after = skipped
+        if not skipped:
+            after = self.write(after)
+        return self.average(skipped, after)
+
+
+class StateStore(nn.Cell):
+    """The interface every store of the optimizer's states keeps (the module note); ``tail``: its
+    :class:`UpdateTail`. The defaults are a store whose update is the graph's."""
+
+    def __init__(self, tail: UpdateTail):
+        super().__init__(auto_prefix=False)
+        self.tail = tail
         self.scratch = ()
 
     def construct(self, grads, after):
-        grads = MAP(ops.partial(depend_on, after), grads)
-        if self.has_owner_grads:
-            grads = self.owner_grads(grads)
-        after = ops.depend(after, self.optimizer(grads))
-        if self.has_write_back:
-            after = self.write_back(after)
-        return after
+        raise NotImplementedError(f"{type(self).__name__} must define construct(grads, after)")
 
     def settle(self, skipped, overflow):
-        if self.has_ema:  # after the write-back, so stages 1-2 average the updated full parameters
-            overflow = ops.depend(overflow, self.ema(self.weights, skipped))
         return overflow
 
     def handoff(self, due, skipped, grads):
@@ -70,13 +92,43 @@ class InMemoryStates(nn.Cell):
         return None
 
     def state(self, attr, index):
-        return self.layout.states[attr][index]
+        raise NotImplementedError(f"{type(self).__name__} must define state(attr, index)")
 
     def bytes(self) -> dict:
-        return {"optimizer_moments": sum(nbytes(p) for p in optimizer_state_params(self.layout)), "gradients": 0}
+        raise NotImplementedError(f"{type(self).__name__} must define bytes()")
 
     def describe(self):
         return None
 
 
-__all__ = ["InMemoryStates", "nbytes"]
+class InMemoryStates(StateStore):
+    """The optimizer's states are its own Parameters: the update runs in the step's graph, the owner-mode gradients
+    handed over first (``owner_grads``), the tail's write-back after it in the same branch, its EMA at every update
+    step, skipped or not. Holds the train step's own Cells."""
+
+    def __init__(self, layout, optimizer, tail: UpdateTail, owner_grads=None):
+        super().__init__(tail)
+        self.layout = layout
+        self.optimizer = optimizer
+        self.has_owner_grads = owner_grads is not None
+        if self.has_owner_grads:
+            self.owner_grads = owner_grads
+
+    def construct(self, grads, after):
+        grads = MAP(ops.partial(depend_on, after), grads)
+        if self.has_owner_grads:
+            grads = self.owner_grads(grads)
+        after = ops.depend(after, self.optimizer(grads))
+        return self.tail.write(after)
+
+    def settle(self, skipped, overflow):
+        return self.tail.average(skipped, overflow)
+
+    def state(self, attr, index):
+        return self.layout.states[attr][index]
+
+    def bytes(self) -> dict:
+        return {"optimizer_moments": sum(nbytes(p) for p in optimizer_state_params(self.layout)), "gradients": 0}
+
+
+__all__ = ["InMemoryStates", "StateStore", "UpdateTail", "nbytes"]

@@ -69,7 +69,7 @@ from .kernels import (ALL, MAP, accumulate, cast_to, depend_on, ema_update, fini
                       route, scale_by, zero_after)
 from .precision import explain_dtype_errors
 from .offload import DiskStates
-from .states import InMemoryStates
+from .states import InMemoryStates, UpdateTail
 from .update import OwnerGradients, Refresh, WriteBack
 
 
@@ -384,10 +384,8 @@ def _states(state: ZeroState, optimizer, weights):
     where the step is ordered (``state.ordered``), the one place that decides it."""
     collectives = UpdateCollectives(state.world, state.order if state.ordered else None)
     write_back = WriteBack(state, collectives) if state.gather or state.broadcasts or state.masters_of(CAST) else None
-    ema = state.ema
+    tail = UpdateTail(write_back, state.ema, weights)
     if state.offload is not None:
-        return DiskStates(state.offload, state.layout, state.config.gradient_accumulation_steps > 1, write_back, ema,
-                          weights)
+        return DiskStates(state.offload, state.layout, state.config.gradient_accumulation_steps > 1, tail)
     owned = any(ps.update is not None and ps.update.mode == OWNER for ps in state.params)
-    return InMemoryStates(state.layout, optimizer, OwnerGradients(state, collectives) if owned else None, write_back,
-                          ema, weights)
+    return InMemoryStates(state.layout, optimizer, tail, OwnerGradients(state, collectives) if owned else None)

@@ -69,7 +69,7 @@ def test_a_bucket_of_many_tensors_compiles(stage):
         return losses, step
     ref, _ = run(0, None)
     got, step = run(stage, FUSE_ALL)
-    units = step.boundary.positions + step.micro.positions + (step.states.write_back.gather.positions if stage else ())
+    units = step.boundary.positions + step.micro.positions + (step.states.tail.write_back.gather.positions if stage else ())
     assert max(len(u) for u in units) == 160
     assert got == ref, (stage, got, ref)
 
@@ -80,7 +80,7 @@ def test_fused_buckets_equal_unfused(model):
     for stage in (0, 1, 2):
         ref_losses, ref_params, _ = train(model, stage)
         losses, params, step = train(model, stage, comm_fusion=FUSE_ALL, gradient_accumulation_steps=1)
-        units = step.boundary.positions + step.micro.positions + (step.states.write_back.gather.positions if stage else ())
+        units = step.boundary.positions + step.micro.positions + (step.states.tail.write_back.gather.positions if stage else ())
         assert max(len(u) for u in units) > 1, "the 1 MiB buckets hold several tensors"
         assert losses == ref_losses
         for k in params:
