@@ -39,6 +39,43 @@ ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST_FROM = 1, 2, 3, 4
 # how a master is written back into the tensor the network holds after each update
 GATHER, CAST, BROADCAST = "gather", "cast", "broadcast"
 
+# what the optimizer updates for one parameter (ParamState.target): the weight itself, a stage 1-2 flat master
+# shard, an owner's full master, a stand-in of a few elements (a non-owner), an fp32 copy of a weight held in
+# param_dtype
+WEIGHT, MASTER_SHARD, FULL_MASTER, STAND_IN, WIDE_COPY = "weight", "master shard", "full master", "stand-in", "fp32 copy"
+
+
+@dataclass(frozen=True)
+class Role:
+    """One parameter's sharding decision: what the optimizer updates (``target``: :data:`WEIGHT`,
+    :data:`MASTER_SHARD`, :data:`FULL_MASTER`, :data:`STAND_IN` or :data:`WIDE_COPY`) and how that is written back
+    into the weight after each update (``master``: :data:`GATHER`, :data:`BROADCAST`, :data:`CAST`, or ``None``
+    where the target is the weight or a stand-in)."""
+
+    target: str
+    master: Optional[str] = None
+
+
+def role_of(shard_parameters: bool, mode: str, owned: bool, mixed: bool, held_low: bool) -> Role:
+    """The one table of what a parameter's optimizer target is, by stage (``shard_parameters``: stage 3), update mode
+    (``"flat"``, ``"owner"``, ``"whole"``: :mod:`mindzero.core.optim_plan`), whether this rank owns it, whether the
+    run is mixed precision and whether the parameter is held in ``param_dtype`` (``held_low``):
+
+    * owner mode, another rank's: a stand-in;
+    * owner mode, this rank's: a full master, broadcast after the update, at stage 3 (the network holds a shard)
+      and with mixed precision (fp32); else (stages 1-2 in fp32) the weight itself, the user's Parameter;
+    * flat at stages 1-2: a master shard, all-gathered into the weight;
+    * otherwise (flat at stage 3: the weight is the shard; whole): an fp32 copy cast back into a weight held in
+      ``param_dtype``, else the weight.
+    """
+    if mode == "owner":
+        if not owned:
+            return Role(STAND_IN)
+        return Role(FULL_MASTER, BROADCAST) if shard_parameters or mixed else Role(WEIGHT)
+    if mode == "flat" and not shard_parameters:
+        return Role(MASTER_SHARD, GATHER)
+    return Role(WIDE_COPY, CAST) if mixed and held_low else Role(WEIGHT)
+
 
 @dataclass(eq=False)
 class MasterPair:
@@ -80,6 +117,7 @@ class ParamState:
     update: object = None  # its mindzero.core.optim_plan.Update: flat, owner (and which op rank) or whole
     all_reduced: bool = False  # its gradient is all-reduced whole though it is sharded (a stage-1 owner-mode
     #                            parameter: mindzero.core.comm_plan.reduced_whole)
+    role: Optional[Role] = None  # what the optimizer updates and how it is written back (role_of)
 
     @property
     def norm_kind(self) -> int:

@@ -14,7 +14,7 @@ from ..core.config import LossScale, ZeroConfig
 from ..core.introspect import param_infos
 from ..core.optim_plan import FLAT, OWNER, assign_owners, owner_cost, placeholder_shape
 from ..core.plan import PartitionPlan
-from ..core.state import BROADCAST, CAST, GATHER, MasterPair, ParamState, ZeroState
+from ..core.state import FULL_MASTER, MASTER_SHARD, STAND_IN, WEIGHT, WIDE_COPY, MasterPair, ParamState, ZeroState, role_of
 from ..core.topology import World
 from .consistency import check_same_optimizer, check_same_plan, check_same_values
 from .materialize import full_array, make_shard, materialize
@@ -122,15 +122,10 @@ class _Sharded:
 
 def _shard_state(network, layout: OptimizerLayout, config: ZeroConfig, world: World, plan: PartitionPlan,
                  params: tuple) -> _Sharded:
-    """Fill each :class:`ParamState`'s weight, target and master, then re-point the optimizer
-    (:mod:`mindzero.engine.repoint`):
-
-    * flat: stage 3's shard (the network holds it); stages 1-2 a master shard of the user's parameter, which the
-      network keeps as it is;
-    * owner, on the owner: the user's parameter (stages 1-2 without ``param_dtype``) or a full master; elsewhere a
-      stand-in;
-    * mixed precision: every other optimized parameter held in ``param_dtype`` gets an fp32 master (cast back
-      locally), and the network's copy is cast to ``param_dtype``.
+    """Fill each :class:`ParamState`'s role (:func:`mindzero.core.state.role_of`, the one table of what the
+    optimizer updates), then its weight, target and master as the role names them, then re-point the optimizer
+    (:mod:`mindzero.engine.repoint`). At stage 3 the network is sharded first (an owner's full master taken from the
+    full value before), and the network's copy of a weight held in ``param_dtype`` is cast last.
 
     Lazily built Parameters (:func:`mindzero.lazy_init`) are materialised one tensor at a time: shards where the
     stage shards, full values where it keeps them.
@@ -140,43 +135,37 @@ def _shard_state(network, layout: OptimizerLayout, config: ZeroConfig, world: Wo
     digests, units = {}, []
     wide = ms.float32 if precision.enabled else None
     op_rank = world.op_rank
+    for ps in params:  # the one table (core.state.role_of), then the tensors it names
+        ps.role = role_of(policy.shard_parameters, ps.update.mode, ps.update.owned_by(op_rank), precision.enabled,
+                          ps.spec.dtype == precision.param_dtype)
     if policy.shard_parameters:
         check_pynative_recompute(network, specs)
         for ps in params:  # an owner's full master, from the full value, before the network holds only shards
-            if ps.update.owned_by(op_rank):
+            if ps.role.target == FULL_MASTER:
                 ps.target = Parameter(Tensor(full_array(ps.param), wide or ps.param.dtype), name="zero_master." + ps.name)
         done = shard_network_parameters(network, specs, world, config)
         digests, units = done.digests, done.units
         for ps in params:
             if ps.sharded:  # the network holds the shard now; keep no reference to the full Parameter
                 ps.weight = done.shards[ps.name]
-                if ps.update.mode == FLAT:
-                    ps.target = ps.weight
                 ps.param = None
-    elif policy.shard_optimizer_states:
-        for ps in params:
-            if ps.sharded and ps.update.mode == FLAT:
-                ps.target = make_shard(materialize(ps.param, digests), ps.spec, "zero_master." + ps.name,
-                                       digests=digests)
-                ps.master = MasterPair(ps.target, ps.param, GATHER)
-            elif ps.update.owned_by(op_rank) and wide is not None:
-                ps.target = Parameter(Tensor(full_array(materialize(ps.param, digests)), wide),
-                                      name="zero_master." + ps.name)
     for ps in params:
-        if ps.update.mode != OWNER:
-            continue
-        if ps.update.owned_by(op_rank):
-            if ps.target is not ps.weight:
-                ps.master = MasterPair(ps.target, ps.weight, BROADCAST)
-        else:
+        target = ps.role.target
+        if target == MASTER_SHARD:
+            ps.target = make_shard(materialize(ps.param, digests), ps.spec, "zero_master." + ps.name, digests=digests)
+        elif target == FULL_MASTER and not policy.shard_parameters:  # stages 1-2, mixed precision
+            ps.target = Parameter(Tensor(full_array(materialize(ps.param, digests)), wide),
+                                  name="zero_master." + ps.name)
+        elif target == STAND_IN:
             ps.target = stand_in(PLACEHOLDER_PREFIX + ps.name, placeholder_shape(ps.spec.shape, ps.spec.shape),
                                  wide or ps.weight.dtype)
-    if precision.enabled:  # the rest held in param_dtype get an fp32 copy, written back locally
-        for ps in params:
-            if ps.target is ps.weight and ps.spec.dtype == precision.param_dtype:
-                materialize(ps.weight, digests if ps.weight is ps.param else None)
-                ps.target = Parameter(Tensor(ps.weight.asnumpy(), ms.float32), name="zero_master." + ps.name)
-                ps.master = MasterPair(ps.target, ps.weight, CAST)
+        elif target == WIDE_COPY:
+            materialize(ps.weight, digests if ps.weight is ps.param else None)
+            ps.target = Parameter(Tensor(ps.weight.asnumpy(), ms.float32), name="zero_master." + ps.name)
+        elif target == WEIGHT:
+            ps.target = ps.weight
+        if ps.role.master is not None:
+            ps.master = MasterPair(ps.target, ps.weight, ps.role.master)
     offload = None
     updates = [ps.update for ps in params]
     if config.offload.disk:  # the file first (directory and space checked), then each state written as it is made

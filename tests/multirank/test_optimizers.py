@@ -15,7 +15,7 @@ import pytest
 
 from mindzero.launch.local import msrun
 from tests.support.compare import load_npz
-from tests.support.optimizers import CASES, OWNER, build, stages_for
+from tests.support.optimizers import CASES, OWNER, build, case_params, stages_for
 from tests.support.tier import Launch, full_tier, worker_args
 
 from . import WORKERS
@@ -41,7 +41,7 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", case_params(CASES))
 def test_every_optimizer_trains_as_plain_data_parallel(out, case):
     """Each parameter gets the mode the table says (flat where the update is element-wise, owned whole
     elsewhere); losses and final parameters equal plain DP's: bit for bit where every parameter is owned whole,
@@ -67,8 +67,7 @@ def test_every_optimizer_trains_as_plain_data_parallel(out, case):
                 assert _rel(got["losses"], _load(out, rank, f"{case.name}-dp")["losses"]) <= FLAT_RTOL
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if OWNER in (c.matrix, c.vector)],
-                         ids=[c.name for c in CASES if OWNER in (c.matrix, c.vector)])
+@pytest.mark.parametrize("case", case_params([c for c in CASES if OWNER in (c.matrix, c.vector)]))
 def test_owners_are_spread_and_the_report_counts_what_is_held(out, case):
     """Every owner-mode parameter has one owner, every rank the same view of who owns what; each rank holds the
     states memory_report's plan says (owners' states whole, stand-ins of a few elements elsewhere), and the plan's

@@ -142,6 +142,8 @@ def main():
     for case in CASES:
         if worker.args.only and case.name not in worker.args.only.split(","):
             continue
+        if case.full_only and not worker.args.full_tier:
+            continue
         for stage in ("dp", *stages_for(case, worker.args.full_tier)):
             np.savez(out_dir / f"{case.name}-{stage}.npz", **train(case, stage, world))
         print(f"optimizer {case.name}: done", flush=True)

@@ -125,7 +125,7 @@ def test_register_overrides_the_probe_both_ways():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_the_probe_decides_every_optimizer_of_the_table(case):
+def test_the_probe_decides_every_optimizer_of_the_table(case):  # every configuration: a probe is quick
     """Flat where the optimizer updates each element from that element alone, owner mode where it does not
     (factored statistics, an RMS clip, Muon's matrices), decided from the optimizer itself; the user's optimizer
     is not moved by the probe (its step counters and states as they were)."""

@@ -94,6 +94,7 @@ class OptimizerCase:
     matrix: str = FLAT
     vector: str = FLAT
     options: tuple = ()  # prepare_train_network's options beyond the stage, as (name, value) pairs
+    full_only: bool = False  # a configuration the full tier adds to the default tier's table
 
     def mode(self, shape) -> str:
         return self.matrix if len(shape) >= 2 else self.vector
@@ -126,11 +127,25 @@ CASES = [
     # Parameter itself, no master shard beside it
     OptimizerCase("nn.Adam-owned", lambda ps: nn.Adam(ps, 1e-2), matrix=OWNER, vector=OWNER,
                   options=(("update_sharding", "owner"),)),
+    # the configurations users run beside the defaults (the full tier): a schedule and weight decay by group,
+    # nesterov, amsgrad, AdaFactor's fine-tuning setting under a schedule
+    OptimizerCase("nn.AdamWeightDecay-groups-schedule", lambda ps: nn.AdamWeightDecay(
+        [{"params": [p for p in ps if p.ndim >= 2], "weight_decay": 0.05},
+         {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}],
+        nn.piecewise_constant_lr([2, 3, 4], [1e-2, 5e-3, 2e-3])), full_only=True),
+    OptimizerCase("nn.Momentum-nesterov", lambda ps: nn.Momentum(ps, 0.05, 0.9, use_nesterov=True), full_only=True),
+    OptimizerCase("nn.SGD-nesterov-decay", lambda ps: nn.SGD(ps, 0.05, momentum=0.9, nesterov=True,
+                                                            weight_decay=1e-3), full_only=True),
+    OptimizerCase("nn.AdaFactor-fixed-lr-schedule", lambda ps: nn.AdaFactor(
+        ps, learning_rate=nn.piecewise_constant_lr([2, 4], [1e-2, 5e-3]), scale_parameter=False,
+        relative_step=False, warmup_init=False), matrix=OWNER, vector=OWNER, full_only=True),
     OptimizerCase("nn.LazyAdam", lambda ps: nn.LazyAdam(ps, 1e-2)),
     OptimizerCase("nn.FTRL", lambda ps: nn.FTRL(ps, learning_rate=1e-2)),
     OptimizerCase("nn.ProximalAdagrad", lambda ps: nn.ProximalAdagrad(ps, 1e-2)),
     _eo("Adam"), _eo("AdamW"), _eo("SGD", momentum=0.9), _eo("Adadelta"), _eo("Adagrad"), _eo("Adamax"),
     _eo("ASGD"), _eo("NAdam"), _eo("RAdam"), _eo("RMSprop"), _eo("Rprop"),
+    OptimizerCase("experimental.AdamW-amsgrad", lambda ps: eo.AdamW(ps, lr=1e-2, amsgrad=True), torch_style=True,
+                  full_only=True),
     OptimizerCase("mint.optim.Adam", lambda ps: mint.optim.Adam(ps, lr=1e-2), torch_style=True),
     OptimizerCase("mint.optim.SGD", lambda ps: mint.optim.SGD(ps, lr=0.05, momentum=0.9), torch_style=True),
     OptimizerCase("mindcv.AdamW", mindcv_adamw),
@@ -144,6 +159,14 @@ BY_NAME = {c.name: c for c in CASES}
 #: the flat optimizers the default suite also trains at stage 1 (one of each family and kernel kind); every
 #: optimizer trains at stage 3 there, every one at stages 1-3 in the full tier
 ALSO_AT_STAGE1 = ("nn.Adam", "nn.ASGD", "experimental.Adam", "mint.optim.SGD", "mindcv.AdamW")
+
+
+def case_params(cases) -> list:
+    """``cases`` as pytest parameters, a full-tier configuration marked ``full``."""
+    import pytest
+
+    return [pytest.param(c, id=c.name, marks=pytest.mark.full) if c.full_only else pytest.param(c, id=c.name)
+            for c in cases]
 
 
 def stages_for(case: OptimizerCase, full_tier: bool) -> tuple:
@@ -200,5 +223,5 @@ def parameter_modes(case: OptimizerCase, net) -> dict:
     return {p.name: case.mode(p.shape) for p in net.trainable_params()}
 
 
-__all__ = ["CASES", "BY_NAME", "stages_for", "ALSO_AT_STAGE1", "FLAT", "OWNER", "OptNet", "OptimizerCase", "build",
+__all__ = ["CASES", "BY_NAME", "case_params", "stages_for", "ALSO_AT_STAGE1", "FLAT", "OWNER", "OptNet", "OptimizerCase", "build",
            "came", "mindcv_adamw", "mindone_module", "muon", "parameter_modes"]

@@ -106,3 +106,36 @@ def test_planned_updates_follow_the_model_and_the_stage():
     assert {u.mode for u in planned_updates(plan.specs, OPTIMIZER_MODELS["muon"], False, 2)} == {WHOLE}
     assert [u.mode for u in planned_updates(plan.specs, OptimizerModel(2, elementwise=False), True, 2)] == \
         [OWNER, OWNER, WHOLE]
+
+
+def test_the_sharding_table_names_what_the_optimizer_updates_for_every_stage_mode_and_precision():
+    """core.state.role_of, the one table assemble fills each parameter from, row by row: (stage 3, mode, this rank
+    owns it, mixed precision, held in param_dtype) -> what the optimizer updates and how it is written back."""
+    from mindzero.core.state import (BROADCAST, CAST, FULL_MASTER, GATHER, MASTER_SHARD, STAND_IN, WEIGHT, WIDE_COPY,
+                                     Role, role_of)
+
+    table = [
+        # stages 1-2
+        ((False, FLAT, False, False, False), Role(MASTER_SHARD, GATHER)),
+        ((False, FLAT, False, True, True), Role(MASTER_SHARD, GATHER)),  # the master shard is fp32 already
+        ((False, OWNER, True, False, False), Role(WEIGHT)),  # fp32: the user's Parameter, no copy
+        ((False, OWNER, True, True, True), Role(FULL_MASTER, BROADCAST)),
+        ((False, OWNER, True, True, False), Role(FULL_MASTER, BROADCAST)),
+        ((False, OWNER, False, False, False), Role(STAND_IN)),
+        ((False, OWNER, False, True, True), Role(STAND_IN)),
+        # stage 0, and a parameter the plan keeps whole
+        ((False, WHOLE, False, False, False), Role(WEIGHT)),
+        ((False, WHOLE, False, True, True), Role(WIDE_COPY, CAST)),
+        ((False, WHOLE, False, True, False), Role(WEIGHT)),  # kept fp32 (a LayerNorm): no copy
+        # stage 3
+        ((True, FLAT, False, False, False), Role(WEIGHT)),  # the weight is the shard
+        ((True, FLAT, False, True, True), Role(WIDE_COPY, CAST)),
+        ((True, OWNER, True, False, False), Role(FULL_MASTER, BROADCAST)),
+        ((True, OWNER, True, True, True), Role(FULL_MASTER, BROADCAST)),
+        ((True, OWNER, False, False, False), Role(STAND_IN)),
+        ((True, WHOLE, False, True, True), Role(WIDE_COPY, CAST)),
+        ((True, WHOLE, False, False, False), Role(WEIGHT)),
+    ]
+    for args, want in table:
+        assert role_of(*args) == want, (args, role_of(*args), want)
+    assert {want.target for _, want in table} == {WEIGHT, MASTER_SHARD, FULL_MASTER, STAND_IN, WIDE_COPY}
