@@ -3,8 +3,8 @@
 ``--job tutorial --config dp|0|1|2|3|1o|2o|3o``: the PyTorch ``ZeroRedundancyOptimizer`` tutorial's experiment in
 MindSpore: 20 x ``nn.Dense(2000, 2000)`` built eagerly, ``nn.Adam`` (lr 0.01), one step of MSE on
 ``randn(20, 2000)``; ``dp`` is ``nn.TrainOneStepCell`` under DATA_PARALLEL, ``0``-``3`` are
-``mindzero.prepare_train_network`` (``1o``-``3o``: ``nn.Adam`` registered as not element-wise, so each layer is
-updated whole on an owner rank, as PyTorch's ``ZeroRedundancyOptimizer`` partitions). Records the RSS right after ``init()``, the peak RSS up to and after the
+``mindzero.prepare_train_network`` (``1o``-``3o``: ``update_sharding="owner"``, so each layer is updated whole on
+an owner rank, as PyTorch's ``ZeroRedundancyOptimizer`` partitions). Records the RSS right after ``init()``, the peak RSS up to and after the
 step (``VmHWM``), the RSS after prepare, and the sum of the parameters after the step.
 
 ``--job matrix --optimizers A,B``: for each optimizer, stage 0-3, eager or ``lazy_init`` build, fp32 or

@@ -72,7 +72,7 @@ def parse_args():
                     "default, 1%% of the elements: mindzero's defaults with --persistence 100000); without 'p' "
                     "every parameter is sharded (threshold 0); 'd' (e.g. '3d'): the optimizer states on disk "
                     "(optimizer_offload='disk' under --offload-dir); 'o' (e.g. '2o'): every sharded parameter updated whole on an "
-                    "owner rank (the optimizer registered as not element-wise)")
+                    "owner rank (update_sharding='owner')")
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "came", "muon"),
                     help="nn.AdamWeightDecay (default), mindone's CAME, or mindone's Muon (Newton-Schulz in fp32) "
                     "for the matrices with AdamW for the rest")
