@@ -153,10 +153,6 @@ class UpdateCollectives:
         self.world = world
         self.token = token
 
-    @property
-    def ordered(self) -> bool:
-        return self.token is not None
-
     def _made(self, op):
         return op if self.token is None else InOrder(op, self.token)
 

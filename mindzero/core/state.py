@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from .optim_plan import FLAT, OWNER
+
 # what a gradient is at clip time, for the global norm (the kernel mindzero.engine.kernels.norm_sq)
 REPLICATED, SHARD, OWN_SLICE = 0, 1, 2
 # how a bucket travels
@@ -58,7 +60,7 @@ class Role:
 
 def role_of(shard_parameters: bool, mode: str, owned: bool, mixed: bool, held_low: bool) -> Role:
     """The one table of what a parameter's optimizer target is, by stage (``shard_parameters``: stage 3), update mode
-    (``"flat"``, ``"owner"``, ``"whole"``: :mod:`mindzero.core.optim_plan`), whether this rank owns it, whether the
+    (:mod:`mindzero.core.optim_plan`'s modes), whether this rank owns it, whether the
     run is mixed precision and whether the parameter is held in ``param_dtype`` (``held_low``):
 
     * owner mode, another rank's: a stand-in;
@@ -68,11 +70,11 @@ def role_of(shard_parameters: bool, mode: str, owned: bool, mixed: bool, held_lo
     * otherwise (flat at stage 3: the weight is the shard; whole): an fp32 copy cast back into a weight held in
       ``param_dtype``, else the weight.
     """
-    if mode == "owner":
+    if mode == OWNER:
         if not owned:
             return Role(STAND_IN)
         return Role(FULL_MASTER, BROADCAST) if shard_parameters or mixed else Role(WEIGHT)
-    if mode == "flat" and not shard_parameters:
+    if mode == FLAT and not shard_parameters:
         return Role(MASTER_SHARD, GATHER)
     return Role(WIDE_COPY, CAST) if mixed and held_low else Role(WEIGHT)
 

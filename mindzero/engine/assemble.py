@@ -12,7 +12,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from ..core.comm_plan import reduced_whole, state_calls, step_buckets
 from ..core.config import LossScale, ZeroConfig
 from ..core.introspect import param_infos
-from ..core.optim_plan import FLAT, OWNER, assign_owners, owner_cost, placeholder_shape
+from ..core.optim_plan import OWNER, assign_owners, owner_cost, placeholder_shape
 from ..core.plan import PartitionPlan
 from ..core.state import FULL_MASTER, MASTER_SHARD, STAND_IN, WEIGHT, WIDE_COPY, MasterPair, ParamState, ZeroState, role_of
 from ..core.topology import World

@@ -71,16 +71,14 @@ class UpdateTail(nn.Cell):
 
 
 class StateStore(nn.Cell):
-    """The interface every store of the optimizer's states keeps (the module note); ``tail``: its
-    :class:`UpdateTail`. The defaults are a store whose update is the graph's."""
+    """The base of every store of the optimizer's states (the interface: the module note); ``tail``: its
+    :class:`UpdateTail`. A store defines ``construct``, ``state`` and ``bytes``; the defaults here are those of a
+    store whose update is the graph's."""
 
     def __init__(self, tail: UpdateTail):
         super().__init__(auto_prefix=False)
         self.tail = tail
         self.scratch = ()
-
-    def construct(self, grads, after):
-        raise NotImplementedError(f"{type(self).__name__} must define construct(grads, after)")
 
     def settle(self, skipped, overflow):
         return overflow
@@ -90,12 +88,6 @@ class StateStore(nn.Cell):
 
     def after_step(self, handoff) -> None:
         return None
-
-    def state(self, attr, index):
-        raise NotImplementedError(f"{type(self).__name__} must define state(attr, index)")
-
-    def bytes(self) -> dict:
-        raise NotImplementedError(f"{type(self).__name__} must define bytes()")
 
     def describe(self):
         return None

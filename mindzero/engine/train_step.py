@@ -387,5 +387,5 @@ def _states(state: ZeroState, optimizer, weights):
     tail = UpdateTail(write_back, state.ema, weights)
     if state.offload is not None:
         return DiskStates(state.offload, state.layout, state.config.gradient_accumulation_steps > 1, tail)
-    owned = any(ps.update is not None and ps.update.mode == OWNER for ps in state.params)
+    owned = any(u.mode == OWNER for u in state.updates)
     return InMemoryStates(state.layout, optimizer, tail, OwnerGradients(state, collectives) if owned else None)
