@@ -30,6 +30,8 @@ MODELS = {  # name -> (factory, kwargs, sample, configurations)
                ["0", "2", "3", "3-int8"]),
     "gpt105": ("fit_models:gpt", dict(vocab=8192, dim=768, layers=14, heads=12, seq=64), GPT_SAMPLE,  # zero_bench's
                ["0", "3"]),
+    "gpt896": ("fit_models:gpt", dict(vocab=8192, dim=896, layers=5, heads=14, seq=64), GPT_SAMPLE,
+               ["0", "1", "2", "3", "1-owner", "2-owner", "3-owner"]),
     "vit": ("fit_models:vit", dict(image=64, patch=8, dim=384, depth=6, heads=6, classes=100), VIT_SAMPLE,
             ["0", "2", "3", "3-units"]),
 }
@@ -39,7 +41,8 @@ def options_of(config: str, units: str) -> dict:
     stage, _, flag = config.partition("-")
     out = {"zero_stage": int(stage)}
     out.update({"": {}, "noregather": {"stage3_regather": False}, "units": {"gather_units": units},
-                "int8": {"gather_quantization": "int8"}, "accum2": {"gradient_accumulation_steps": 2}}[flag])
+                "int8": {"gather_quantization": "int8"}, "accum2": {"gradient_accumulation_steps": 2},
+                "owner": {"update_sharding": "owner"}}[flag])
     return out
 
 

@@ -76,6 +76,11 @@ def came(params):
     return mindone_module("trainers/came.py").CAME(params, learning_rate=1e-2)
 
 
+def came_finetune(params):
+    """CAME as mindone's diffusion fine-tuning scripts set it: a small fixed learning rate and weight decay."""
+    return mindone_module("trainers/came.py").CAME(params, learning_rate=1e-4, weight_decay=0.03)
+
+
 def mindcv_adamw(params):
     from mindcv.optim.adamw import AdamW
 
@@ -150,6 +155,7 @@ CASES = [
     OptimizerCase("mint.optim.SGD", lambda ps: mint.optim.SGD(ps, lr=0.05, momentum=0.9), torch_style=True),
     OptimizerCase("mindcv.AdamW", mindcv_adamw),
     OptimizerCase("mindone.CAME", came, matrix=OWNER, vector=OWNER),
+    OptimizerCase("mindone.CAME-finetune", came_finetune, matrix=OWNER, vector=OWNER, full_only=True),
     OptimizerCase("mindone.Muon", muon, torch_style=True, matrix=OWNER, vector=OWNER),
 ]
 #: the table this MindSpore runs: a case it ships but does not run is refused by mindzero instead
