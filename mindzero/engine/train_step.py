@@ -250,8 +250,9 @@ class ZeroTrainOneStepCell(nn.Cell):
         if self.has_ema:
             self.ema = state.ema
         self.states = _states(state, optimizer, self.weights)
-        # stages that shard gradients reduce each where backward produces it: compiled in depth-first order
-        self.exec_order = "dfs" if config.policy.shard_gradients else None
+        # stages that shard reduce each gradient to its shard where backward produces it: compiled in depth-first
+        # order (stage 1 without accumulation is stage 2's graph; with it, each micro-gradient is freed once added)
+        self.exec_order = "dfs" if config.policy.shard_optimizer_states else None
         self.set_train(True)
         self._compiled = False
         self._cache_looked = False

@@ -132,19 +132,21 @@ def test_different_seeds_fail_on_every_rank(run, stage):
 
 def test_stage2_frees_each_gradient_as_backward_produces_it(run):
     """The first step of a 24-layer MLP with 96 MiB of gradients (4 MiB each, 2 ranks), its graph compiled
-    before: stage 2 first, then stage 1 in the same process. MindSpore's memory pool keeps its peak, so stage
-    1 grows only by what it needs beyond stage 2's peak. Stage 2, which reduces each gradient where backward
-    produces it, stays below the gradient bytes (it holds the 1/N shards of all of them, and a few full ones
-    at a time), and stage 1, which keeps every full gradient to the end of backward, needs at least a quarter
-    of the gradient bytes more. Measured in fresh processes: stage 2 73 MiB, stage 1 112-117 MiB; stage 2
-    compiled in MindSpore's default order (what it did before) 117 MiB, after which stage 1 grows by 6.5 MiB:
-    both checks fail on it."""
+    before: stage 2 first, then stage 1, then stage 2 compiled in MindSpore's default kernel order, in the same
+    process. MindSpore's memory pool keeps its peak, so each later step grows only by what it needs beyond the
+    peak before it. Stage 2, which reduces each gradient where backward produces it, stays below the gradient
+    bytes (it holds the 1/N shards of all of them, and a few full ones at a time); stage 1 without accumulation
+    is the same graph in the same order and grows by little; the control, the default order, keeps every full
+    gradient to the end of backward and needs at least a quarter of the gradient bytes more (so the measurement
+    sees the difference). Measured in fresh processes: stage 2 73 MiB; stage 1 in the default order 112-117 MiB,
+    stage 2 in it 117 MiB."""
     n, out, *_ = run
     for r in range(n):
         m = json.loads((out / f"rank_{r}" / "memory.json").read_text())
-        one, two = m["step-1"], m["step-2"]
+        two, one, control = m["step-2"], m["step-1"], m["step-2-default-order"]
         assert two["peak_mib"] <= 0.9 * two["grad_mib"], (r, two)
-        assert one["peak_mib"] >= 0.25 * one["grad_mib"], (r, one, two)
+        assert one["peak_mib"] <= 0.1 * one["grad_mib"], (r, one, two)
+        assert control["peak_mib"] >= 0.25 * control["grad_mib"], (r, control, one, two)
 
 
 @pytest.mark.scenarios(lambda stage: [f"pretrained-{stage}"])

@@ -176,14 +176,17 @@ class WideMLP(nn.Cell):
         return (x * x).mean()
 
 
-def first_step_peak(stage):
+def first_step_peak(stage, default_order=False):
     """Peak RSS growth (MiB) over the first step of the wide MLP at ``stage``, the graph compiled before the
     measurement (its heap is not the step's) and the gradient bytes. MindSpore's memory pool keeps its peak
     for the process, so a later measurement grows only by what it needs beyond the earlier ones' peak (see
-    ``test_stage2_frees_each_gradient_as_backward_produces_it``)."""
+    ``test_stage2_frees_each_gradient_as_backward_produces_it``). ``default_order``: the step compiled in
+    MindSpore's default kernel order instead of its own (the control)."""
     ms.set_seed(1)
     net = WideMLP()
     train = mindzero.prepare_train_network(net, nn.SGD(net.trainable_params(), 0.01), zero_stage=stage)
+    if default_order:
+        train.exec_order = None
     x = Tensor(np.random.RandomState(2).randn(8, 1024).astype(np.float32))
     train.compile(x)
     train._compiled = True
@@ -297,6 +300,7 @@ def main():
               "eager-3": peak_growth("wide", 3, False)}  # lazy first: a fresh process
     # the smallest expected step peak first (the memory pool keeps its peak): stage 2, then stage 1, the control
     memory.update({f"step-{stage}": first_step_peak(stage) for stage in (2, 1)})
+    memory["step-2-default-order"] = first_step_peak(2, default_order=True)
     files = worker.out / "pretrained"
     if world.world_rank == 0:  # plain checkpoints, as mindspore.save_checkpoint writes them
         files.mkdir(exist_ok=True)

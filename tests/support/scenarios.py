@@ -140,7 +140,7 @@ def with_references(rows) -> list:
 
 def single_micro(stage) -> str:
     """The tier of a parity row without accumulation at ``stage``: stage 2 with one micro-step per update compiles
-    stage 1's graph node for node, only in depth-first kernel order (tests/single/test_one_process.py), so such rows
+    stage 1's graph node for node, in the same depth-first kernel order (tests/single/test_one_process.py), so such rows
     run in the full tier; the default suite runs stage 2 where it differs (every ``accum``, ``mp-accum``,
     ``came-accum``, ``disk-accum`` and ``real-accum`` row: gradients reduce-scattered at each micro-step into sharded
     buffers), the mixed net's plain row (``mixed-2``: the memory report) and owner mode with a skipped overflow
