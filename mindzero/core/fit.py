@@ -195,11 +195,11 @@ def kept_gathers_per_block(regather, plain, block_bytes: float) -> float:
 
 
 def transient_bytes(full_gradient_bytes: int, stage: int, block_bytes: int, regather: bool = True) -> int:
-    """What a step holds beyond the persistent states, by the formulas: the gradients of one step (stages 0-1:
-    every full gradient at once, added into the accumulation buffers when there are any; stage 2: reduced where
-    produced, so about one block's), and at stage 3 one block's gathered parameters in forward and (regather)
-    again in backward."""
-    if stage <= 1:
+    """What a step holds beyond the persistent states, by the formulas: the gradients of one step (stage 0: every
+    full gradient at once; stages 1-3, compiled depth-first: each reduced, or added into its accumulation buffer,
+    where backward produces it, so about one block's), and at stage 3 one block's gathered parameters in forward
+    and (regather) again in backward."""
+    if stage == 0:
         return full_gradient_bytes
     grads = block_bytes
     gathered = block_bytes * (2 if regather else 1) if stage == 3 else 0
