@@ -298,7 +298,8 @@ def main():
     t = time.time()
     memory = {"lazy-3": peak_growth("wide", 3, True), "lazy-2": peak_growth("wide", 2, True),
               "eager-3": peak_growth("wide", 3, False)}  # lazy first: a fresh process
-    # the smallest expected step peak first (the memory pool keeps its peak): stage 2, then stage 1, the control
+    # the smallest expected step peak first (the memory pool keeps its peak): stage 2, then stage 1 (the same step),
+    # then the control, stage 2 in MindSpore's default kernel order
     memory.update({f"step-{stage}": first_step_peak(stage) for stage in (2, 1)})
     memory["step-2-default-order"] = first_step_peak(2, default_order=True)
     files = worker.out / "pretrained"
