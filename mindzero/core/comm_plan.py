@@ -31,10 +31,12 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 # stage 3's persistent parameters (below stage3_param_persistence_threshold) are all-reduced together in buckets of
 # this many bytes when comm_fusion sets no allreduce bucket: small tensors, one call where there were one each
 PERSISTENT_BUCKET_BYTES = 32 * 2 ** 20
-# an owner's updated parameters are broadcast in buckets of at most this many bytes (comm_fusion's allgather bucket
-# where it sets one): a bucket is concatenated on the owner and received whole on the others, so one bucket of
-# everything an owner holds would put 2-3 copies of 1/N of the model on every rank at once
-BROADCAST_BUCKET_BYTES = 16 * 2 ** 20
+# owner mode's collectives travel in buckets of at most this many bytes of full tensors (comm_fusion's allgather
+# bucket where it sets one): the gradients all-gathered to their owners (one collective per bucket, not per
+# parameter) and each owner's updated parameters broadcast (a bucket is concatenated on the owner and received
+# whole on the others, so one bucket of everything an owner holds would put 2-3 copies of 1/N of the model on
+# every rank at once)
+OWNER_BUCKET_BYTES = 16 * 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -146,8 +148,9 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig, widens: bool
     (:data:`PERSISTENT_BUCKET_BYTES`). Then the update: stages 1-2 all-gather the updated flat master shards;
     an owner-mode parameter's gradient is all-reduced whole at stage 1 (:func:`reduced_whole`), its reduced
     gradient shard all-gathered at stages 2-3 (its owner updates it whole: ``widens``, the gradients are fp32 by
-    then), and its updated value broadcast from its owner, in buckets per owner and dtype of
-    at most :data:`BROADCAST_BUCKET_BYTES` (at stage 3 every rank keeps its shard of it). The other buckets follow
+    then; in buckets per dtype of at most :data:`OWNER_BUCKET_BYTES`), and its updated value broadcast from its
+    owner, in buckets per owner and dtype of at most :data:`OWNER_BUCKET_BYTES` (at stage 3 every rank keeps its
+    shard of it). The other buckets follow
     ``comm_fusion`` (one tensor each without it).
     """
     def units(positions, kind, fusion_kind, held=False, bucket_bytes=None):
@@ -173,15 +176,16 @@ def step_buckets(params, policy: StagePolicy, fusion: FusionConfig, widens: bool
     if master_shards:
         gather = units([i for i in sharded if _mode(params[i]) == FLAT], ALL_GATHER, "allgather", held=True)
     owned = [i for i, p in enumerate(params) if p.sharded and _mode(p) == OWNER]
-    owner_grads = tuple(CommBucket((i,), ALL_GATHER, (replace(params[i].reduce_spec, dtype="float32")
-                                                         if widens else params[i].reduce_spec,))
-                        for i in owned if i not in whole)
+    size = fusion.bucket_bytes("allgather") or OWNER_BUCKET_BYTES
+    gathered = [i for i in owned if i not in whole]
+    specs = [replace(params[i].reduce_spec, dtype="float32") if widens else params[i].reduce_spec for i in gathered]
+    owner_grads = tuple(CommBucket(tuple(gathered[j] for j in b), ALL_GATHER, tuple(specs[j] for j in b))
+                        for b in spec_buckets(specs, size))
     broadcasts = []
     for root in sorted({params[i].update.owner for i in owned}):
         mine = [i for i in owned if params[i].update.owner == root]
         for dtype in dict.fromkeys(params[i].spec.dtype for i in mine):
             same = [i for i in mine if params[i].spec.dtype == dtype]
-            size = fusion.bucket_bytes("allgather") or BROADCAST_BUCKET_BYTES
             broadcasts += [CommBucket(tuple(same[j] for j in b), BROADCAST_FROM, tuple(params[same[j]].spec for j in b),
                                       root) for b in spec_buckets([params[i].spec for i in same], size)]
     return micro, boundary, gather, owner_grads, tuple(broadcasts)

@@ -156,7 +156,7 @@ class ZeroState:
     boundary: tuple = ()  # CommBucket: reductions at the accumulation boundary
     gather: tuple = ()  # CommBucket: stage 1-2 all-gathers of the updated flat master shards (positions in
     #                     optimizer order)
-    owner_grads: tuple = ()  # CommBucket: the all-gathers of owner-mode gradient shards before the update (one each)
+    owner_grads: tuple = ()  # CommBucket: the all-gathers of owner-mode gradient shards before the update (buckets)
     broadcasts: tuple = ()  # CommBucket: the write-back of owner-mode parameters, one per owner and dtype
     state_attrs: tuple = ()  # the optimizer's per-parameter state tuples (attribute names)
     scale_sense: object = None  # the loss-scale Parameter

@@ -37,6 +37,7 @@ gather_write = ops.MultitypeFuncGraph("mindzero_gather_write")
 write_gathered = ops.MultitypeFuncGraph("mindzero_write_gathered")
 refresh = ops.MultitypeFuncGraph("mindzero_refresh")
 owner_grad = ops.MultitypeFuncGraph("mindzero_owner_grad")
+gather_bucket = ops.MultitypeFuncGraph("mindzero_gather_bucket")
 broadcast_input = ops.MultitypeFuncGraph("mindzero_broadcast_input")
 broadcast_write = ops.MultitypeFuncGraph("mindzero_broadcast_write")
 ema_update = ops.MultitypeFuncGraph("mindzero_ema_update")
@@ -186,21 +187,30 @@ def _refresh(after, op_rank, op_size, master, held, sliced, padding):
 AS_REDUCED, GATHER_FOR_OWNER, GATHER_FOR_OTHER, STAND_IN = 0, 1, 2, 3
 
 
-@owner_grad.register("Function", "Tensor", "Number", "Number", "Tuple", "Tuple")
-def _owner_grad(gather, g, handed, numel, shape, stand_in):
-    """Owner mode: what the optimizer gets for gradient ``g`` (``handed``: one of :data:`AS_REDUCED`,
-    :data:`GATHER_FOR_OWNER`, :data:`GATHER_FOR_OTHER`, :data:`STAND_IN`); ``gather``: one of the update's
-    collectives (chained)."""
+@gather_bucket.register("Tuple", "Function", "Tuple", "Tuple")
+def _gather_bucket(grads, gather, positions, bucket):
+    """Owner mode: one bucket's all-gather of the reduced gradient shards at ``positions`` (``gather``: the update's
+    fused all-gather, chained): each one's padded full gradient."""
+    return gather(pick(grads, positions), bucket)
+
+
+@owner_grad.register("Tuple", "Tuple", "Tuple", "Number", "Number", "Tuple", "Tuple")
+def _owner_grad(grads, gathered, source, handed, numel, shape, stand_in):
+    """Owner mode: what the optimizer gets for one gradient (``handed``: one of :data:`AS_REDUCED`,
+    :data:`GATHER_FOR_OWNER`, :data:`GATHER_FOR_OTHER`, :data:`STAND_IN`): ``grads[i]`` as it is, or the padded full
+    gradient ``gathered[bucket][j]`` its bucket's all-gather brought (``source``: ``(-1, i)`` or ``(bucket, j)``)."""
+    bucket, at = source
     if handed == AS_REDUCED:
-        return g
+        return grads[at]
     if handed == STAND_IN:  # after the full gradient, which the owner's optimizer reads at this point: the
-        return ops.depend(ops.zeros(stand_in, g.dtype), g)  # all-reduce has the same consumers on every rank
-    full = gather(g)
+        g = grads[at]       # all-reduce has the same consumers on every rank
+        return ops.depend(ops.zeros(stand_in, g.dtype), g)
+    full = gathered[bucket][at]
     if handed == GATHER_FOR_OWNER:
         if full.shape[0] != numel:
             full = full[:numel]
         return full.reshape(shape)
-    return ops.depend(ops.zeros(stand_in, g.dtype), full)
+    return ops.depend(ops.zeros(stand_in, full.dtype), full)
 
 
 @broadcast_input.register("Tensor", "Bool", "Bool", "Tuple", "Tensor", "Tensor")

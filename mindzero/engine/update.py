@@ -17,7 +17,7 @@ from ..core.optim_plan import OWNER, placeholder_shape
 from ..core.state import CAST, GATHER, ZeroState
 from ..core.topology import World
 from .kernels import (AS_REDUCED, GATHER_FOR_OTHER, GATHER_FOR_OWNER, MAP, STAND_IN, broadcast_input, broadcast_write,
-                      gather_unit, gather_write, owner_grad, refresh, write_cast)
+                      gather_bucket, gather_unit, gather_write, owner_grad, refresh, write_cast)
 
 
 class GatherInto(nn.Cell):
@@ -51,7 +51,7 @@ class GatherInto(nn.Cell):
 
 class _OwnerBroadcast(nn.Cell):
     """One bucket of an owner's updated parameters of one dtype (a ``broadcasts``
-    :class:`~mindzero.core.state.CommBucket`, at most :data:`~mindzero.core.comm_plan.BROADCAST_BUCKET_BYTES`
+    :class:`~mindzero.core.state.CommBucket`, at most :data:`~mindzero.core.comm_plan.OWNER_BUCKET_BYTES`
     unless ``comm_fusion`` sets the allgather bucket): the owner sends what it updated (cast to the network's dtype),
     every other rank receives into its own copy (stages 1-2) or a zero buffer of the full shape (stage 3); then
     every rank writes the value, or at stage 3 its shard of it, into the network's tensor."""
@@ -149,21 +149,33 @@ def handed(ps, op_rank: int) -> int:
 
 
 class OwnerGradients(nn.Cell):
-    """Owner mode: its owner hands each owner-mode parameter's full gradient to the optimizer (all-gathered from
-    the reduced shards on every rank, in optimizer order, at stages 2-3; as all-reduced at stage 1), every other
-    rank a stand-in of zeros (of the stand-in's shape; made after the gather where there is one). Other gradients
-    pass as they are."""
+    """Owner mode: its owner hands each owner-mode parameter's full gradient to the optimizer (at stages 2-3
+    all-gathered from the reduced shards on every rank, one fused all-gather per ``owner_grads`` bucket, in
+    optimizer order; as all-reduced at stage 1), every other rank a stand-in of zeros (of the stand-in's shape;
+    made after the gather where there is one). Other gradients pass as they are."""
 
     def __init__(self, state: ZeroState, collectives: UpdateCollectives):
         super().__init__(auto_prefix=False)
         n, op_rank = len(state.params), state.world.op_rank
-        gather = collectives.all_gather()
-        self.gathers = (gather,) * n  # mapped beside the gradients (kernels note)
-        self.gather = gather
+        buckets = state.owner_grads
+        self.has_gathers = bool(buckets)
+        if self.has_gathers:
+            gather = collectives.fused_all_gather()
+            self.gather = gather
+            self.gathers = (gather,) * len(buckets)  # mapped beside the buckets (kernels note)
+            self.positions = tuple(b.positions for b in buckets)
+            self.buckets = tuple(Bucket.of(b.specs) for b in buckets)
+        # where each gradient handed on comes from: (bucket, member) of a gathered one, else (-1, its position)
+        source = {i: (k, j) for k, b in enumerate(buckets) for j, i in enumerate(b.positions)}
+        self.sources = tuple(source.get(i, (-1, i)) for i in range(n))
         self.kinds = tuple(handed(ps, op_rank) for ps in state.params)
         self.numels = tuple(ps.spec.numel for ps in state.params)
         self.shapes = tuple(tuple(ps.spec.shape) for ps in state.params)
         self.stand_ins = tuple(placeholder_shape(ps.spec.shape, ps.spec.shape) for ps in state.params)
 
     def construct(self, grads):
-        return MAP(owner_grad, self.gathers, grads, self.kinds, self.numels, self.shapes, self.stand_ins)
+        gathered = ()
+        if self.has_gathers:
+            gathered = MAP(ops.partial(gather_bucket, grads), self.gathers, self.positions, self.buckets)
+        return MAP(ops.partial(owner_grad, grads, gathered), self.sources, self.kinds, self.numels, self.shapes,
+                   self.stand_ins)

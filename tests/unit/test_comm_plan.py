@@ -101,10 +101,11 @@ def test_fusion_cuts_calls_not_bytes():
     assert small["all_reduce"]["calls"] == 2 + 1
 
 
-def test_owner_broadcasts_are_bucketed_per_owner_and_dtype_and_bounded():
-    """Owner mode's write-back: each owner's updated parameters travel in buckets of at most
-    BROADCAST_BUCKET_BYTES (comm_fusion's allgather size where it sets one), never one bucket of all it owns."""
-    from mindzero.core.comm_plan import BROADCAST_BUCKET_BYTES, step_buckets
+def test_owner_gathers_and_broadcasts_are_bucketed_per_dtype_and_bounded():
+    """Owner mode's collectives: the gradients gathered to their owners travel in buckets per dtype, and each
+    owner's updated parameters in buckets per owner and dtype, of at most OWNER_BUCKET_BYTES of full tensors
+    (comm_fusion's allgather size where it sets one): one collective per bucket, never one bucket of everything."""
+    from mindzero.core.comm_plan import OWNER_BUCKET_BYTES, step_buckets
     from mindzero.core.optim_plan import FLAT, OWNER, Update
     from mindzero.core.state import BROADCAST_FROM, ParamState
 
@@ -117,12 +118,15 @@ def test_owner_broadcasts_are_bucketed_per_owner_and_dtype_and_bounded():
                    for s, o in zip(plan, owners))
     policy = ZeroConfig(2, 1, False).policy
     *_, owner_grads, broadcasts = step_buckets(params, policy, FusionConfig())
-    assert [b.positions for b in owner_grads] == [(i,) for i in range(6)]
+    # the gradients in optimizer order: two 8 MiB matrices a bucket, w5's (float16) one of its own
+    assert [b.positions for b in owner_grads] == [(0, 1), (2, 3), (4,), (5,)]
+    assert all(sum(s.numel * s.itemsize for s in b.specs) <= OWNER_BUCKET_BYTES for b in owner_grads)
     assert all(b.kind == BROADCAST_FROM for b in broadcasts)
     # owner 0: w0, w2 (16 MiB: one bucket), w3 (alone), w5 (float16: a bucket of its own); owner 1: w1, w4
     assert [(b.root, b.positions) for b in broadcasts] == [(0, (0, 2)), (0, (3,)), (0, (5,)), (1, (1, 4))]
-    assert all(sum(s.numel * s.itemsize for s in b.specs) <= BROADCAST_BUCKET_BYTES for b in broadcasts)
-    *_, broadcasts = step_buckets(params, policy, FusionConfig(allgather=8 * MIB))
+    assert all(sum(s.numel * s.itemsize for s in b.specs) <= OWNER_BUCKET_BYTES for b in broadcasts)
+    *_, owner_grads, broadcasts = step_buckets(params, policy, FusionConfig(allgather=8 * MIB))
+    assert [b.positions for b in owner_grads] == [(i,) for i in range(6)]
     assert [(b.root, b.positions) for b in broadcasts] == [(0, (0,)), (0, (2,)), (0, (3,)), (0, (5,)), (1, (1,)),
                                                            (1, (4,))]
 
@@ -151,7 +155,7 @@ def test_owner_mode_gradients_are_all_reduced_whole_at_stage_1_and_gathered_from
         assert [p.norm_kind for p in params] == [SHARD, OWN_SLICE, OWN_SLICE]
     else:
         assert not any(p.all_reduced for p in params)
-        assert [b.positions for b in owner_grads] == [(1,), (2,)]
+        assert [b.positions for b in owner_grads] == [(1, 2)]  # one bucket: two small gradients
         assert [p.norm_kind for p in params] == [SHARD] * 3
         if stage == 2:
             assert reductions == {i: REDUCE_SCATTER for i in range(3)}
