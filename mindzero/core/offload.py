@@ -208,14 +208,19 @@ class StateLayout:
 SLOTS = 3  # read-ahead, in update, write-behind
 
 
-def states_at(layout: StateLayout, param_itemsizes) -> int:
-    """Where a slot's states start: after the largest piece's parameter values (``param_itemsizes``: bytes per
-    element of each optimizer parameter), rounded up to 64 bytes."""
+def gradient_at(layout: StateLayout, param_itemsizes) -> int:
+    """Where a slot's gradient values start: after the largest piece's parameter values (``param_itemsizes``: bytes
+    per element of each optimizer parameter; a gradient has its parameter's dtype), rounded up to 64 bytes."""
     return aligned(max((p.numel * param_itemsizes[p.index] for p in layout.pieces), default=0))
 
 
+def states_at(layout: StateLayout, param_itemsizes) -> int:
+    """Where a slot's states start: after the largest piece's parameter values and its gradient values."""
+    return 2 * gradient_at(layout, param_itemsizes)
+
+
 def slot_bytes(layout: StateLayout, param_itemsizes) -> int:
-    """Bytes of the stream's slots: :data:`SLOTS` x (a piece's parameter values and its states)."""
+    """Bytes of the stream's slots: :data:`SLOTS` x (a piece's parameter values, its gradient and its states)."""
     return SLOTS * (states_at(layout, param_itemsizes) + layout.piece_bytes)
 
 

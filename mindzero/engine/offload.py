@@ -35,7 +35,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from ..core.host import release_host_memory
 from ..core.offload import (ALIGN_BYTES, SLOTS, SPLITTABLE_OPTIMIZERS, OffloadError, OffloadPolicy, StateFile,
-                            StateLayout, check_directory, states_at)
+                            StateLayout, check_directory, gradient_at, states_at)
 from ..core.optim_plan import ELEMENT, FLAT, WHOLE
 from ..core.plan import dtype_bytes
 from .compile_cache import without_process_cache
@@ -251,6 +251,7 @@ class _Stream:
         self.scalars = list(optim_layout.scalars.values())
         # a slot: [the piece's parameter values][its states, as in the file]
         self.param_dtypes = [np.dtype(np_dtype(p.dtype)) for p in params]
+        self.gradient_at = gradient_at(self.layout, [d.itemsize for d in self.param_dtypes])
         self.states_at = states_at(self.layout, [d.itemsize for d in self.param_dtypes])
         self.slots = [aligned_buffer(self.states_at + self.layout.piece_bytes) for _ in range(SLOTS)]
         self.window_shapes = [tuple(params[p.index].shape) if p.numel == file.numels[p.index] else (p.numel,)
@@ -279,14 +280,19 @@ class _Stream:
             return p
 
         param = bound(self._param_array(slot, piece), f"zero_offload.{n}.param")
+        grad = bound(self._gradient_array(slot, piece), f"zero_offload.{n}.grad")
         states = {a: bound(self.disk.state_array(slot[self.states_at:], piece, a), f"zero_offload.{n}.{a}")
                   for a in self.disk.state_attrs}
-        return optimizer_view(self.optim_layout, [piece.index], [param], {a: [s] for a, s in states.items()},
-                              share_scalars=True)
+        return _Applied(optimizer_view(self.optim_layout, [piece.index], [param], {a: [s] for a, s in states.items()},
+                                       share_scalars=True), grad)
 
     def _param_array(self, slot, piece):
         dtype = self.param_dtypes[piece.index]
         return slot[:piece.numel * dtype.itemsize].view(dtype)
+
+    def _gradient_array(self, slot, piece):
+        dtype = self.param_dtypes[piece.index]
+        return slot[self.gradient_at:self.gradient_at + piece.numel * dtype.itemsize].view(dtype)
 
     def update(self, grads) -> None:
         """Apply the optimizer to every piece, the gradients taken from ``grads`` (one Tensor or Parameter per
@@ -323,9 +329,9 @@ class _Stream:
             values = params[piece.index][piece.start:piece.stop]
             window = self._param_array(self.slots[k % SLOTS], piece)
             window[...] = values
+            self._gradient_array(self.slots[k % SLOTS], piece)[...] = grads[piece.index][piece.start:piece.stop]
             with without_process_cache():  # a view compiles at its first call
-                self.view_of[k]((Tensor.from_numpy(grads[piece.index][piece.start:piece.stop].reshape(
-                    self.window_shapes[k])),))
+                self.view_of[k]()
             values[...] = window
             writes[k % SLOTS] = self.disk.writer.submit(write, k)
         for w in writes:
@@ -339,6 +345,19 @@ class _Stream:
     def buffer_bytes(self) -> int:
         """Resident for the stream: the slots (the gradient buffers are counted as gradients)."""
         return sum(int(s.nbytes) for s in self.slots)
+
+
+class _Applied(nn.Cell):
+    """A view of the optimizer applied to the gradient in its slot (a Parameter bound to the slot's memory, as the
+    piece's values and states are): the compiled view has no input, so it keeps no input buffer of its own (one
+    per view, each the size of a piece, when the gradient was passed in as a Tensor)."""
+
+    def __init__(self, view, grad):
+        super().__init__(auto_prefix=False)
+        self.view, self.grad = view, grad
+
+    def construct(self):
+        return self.view((self.grad,))
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:

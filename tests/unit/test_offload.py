@@ -59,7 +59,8 @@ def test_layout_cuts_parameters_into_aligned_pieces_of_the_chunk():
     assert StateLayout.build([10_000], [4, 4], 100).chunk_elems == PIECE_ALIGN
     whole = StateLayout.build([300_000, 5], [4, 4], 2 ** 20, split=False)
     assert [(p.index, p.start, p.stop) for p in whole.pieces] == [(0, 0, 300000), (1, 0, 5)]
-    assert slot_bytes(whole, [4, 4]) == SLOTS * (300_000 * 4 + 300_000 * 8)
+    # a slot: the largest piece's values, its gradient and its states
+    assert slot_bytes(whole, [4, 4]) == SLOTS * (300_000 * 4 + 300_000 * 4 + 300_000 * 8)
 
 
 def test_expected_bytes_with_disk_offload():
@@ -76,9 +77,9 @@ def test_expected_bytes_with_disk_offload():
         assert off["optimizer_disk"] == 2 * 300032 + 2 * 64  # each state of a piece 64-byte aligned
         assert off["optimizer_moments"] == 0 and off["disk_io_per_step"] == 2 * off["optimizer_disk"]
         assert off["gradients"] - mem["gradients"] == (4 * (75000 + 2) if accumulate else 0)
-        # the largest piece is w's whole shard (75000 elements < the 1 MiB chunk's 131072): its values and its two
-        # states, each rounded up to 64 bytes, three times
-        assert off["offload_buffers"] == SLOTS * 3 * 300032
+        # the largest piece is w's whole shard (75000 elements < the 1 MiB chunk's 131072): its values, its gradient
+        # and its two states, each rounded up to 64 bytes, three times
+        assert off["offload_buffers"] == SLOTS * 4 * 300032
 
 
 def test_directory_check_names_the_directory_and_the_bytes(tmp_path, monkeypatch):
