@@ -249,7 +249,7 @@ class _Stream:
         self.disk, self.layout, self.optim_layout = file, file.layout, optim_layout
         params = list(optim_layout.params)
         self.scalars = list(optim_layout.scalars.values())
-        # a slot: [the piece's parameter values][its states, as in the file]
+        # a slot: [the piece's parameter values][its gradient][its states, as in the file]
         self.param_dtypes = [np.dtype(np_dtype(p.dtype)) for p in params]
         self.gradient_at = gradient_at(self.layout, [d.itemsize for d in self.param_dtypes])
         self.states_at = states_at(self.layout, [d.itemsize for d in self.param_dtypes])
