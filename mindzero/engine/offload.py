@@ -3,11 +3,12 @@ time (the layout, the file and its page-cache handling: :mod:`mindzero.core.offl
 
 How the update stays the optimizer's own: for each piece the optimizer is applied through a *view*
 (:func:`mindzero.engine.probe.optimizer_view`): the same class and hyper-parameters over Parameters standing for
-the piece. Those Parameters share memory with what they stand for (on CPU a Parameter's ``asnumpy()`` is its
-memory, and ``set_data(Tensor.from_numpy(a))`` makes ``a`` its memory): the parameter's slice, the gradient's
-slice, and the piece's states in a slot buffer that the file was read into. So the update writes the parameter
-in place and the states into the slot, which is written back; nothing is copied but the file's bytes. Views
-are compiled once per distinct (piece length, per-parameter hyper-parameters) and rebound per piece. Before
+the piece. Those Parameters share memory with a slot buffer (on CPU a Parameter's ``asnumpy()`` is its memory, and
+``set_data(Tensor.from_numpy(a))`` makes ``a`` its memory): the piece's parameter values and gradient, copied in,
+and its states, read into it from the file. So the update writes the values and the states into the slot; the
+values are copied back into the parameter and the states written back to the file. A view takes no input (the
+gradient is one of its Parameters), so a compiled view keeps no input buffer of its own. Views are compiled
+once per distinct (piece shape, per-parameter hyper-parameters, slot) and bound once. Before
 each piece the optimizer's shared scalars (step counter, beta powers) are restored to their values before the
 step, so each piece sees the step the whole optimizer would; after the last one they hold the advanced values.
 
@@ -17,7 +18,7 @@ writes piece ``k - 1`` back (file I/O releases the GIL).
 The reduced gradients are the step graph's output and live until the update ends, as they do inside the graph
 in memory; with gradient accumulation they wait in one buffer per optimizer parameter instead (a graph's branch
 cannot return them). Resident beyond that: three slots of at most ``offload_chunk_mb`` of states (and the piece's
-parameter values) each. The states themselves are on disk.
+parameter values and gradient) each. The states themselves are on disk.
 """
 from __future__ import annotations
 
@@ -251,8 +252,8 @@ class _Stream:
         self.scalars = list(optim_layout.scalars.values())
         # a slot: [the piece's parameter values][its gradient][its states, as in the file]
         self.param_dtypes = [np.dtype(np_dtype(p.dtype)) for p in params]
-        self.gradient_at = gradient_at(self.layout, [d.itemsize for d in self.param_dtypes])
-        self.states_at = states_at(self.layout, [d.itemsize for d in self.param_dtypes])
+        itemsizes = [d.itemsize for d in self.param_dtypes]
+        self.gradient_at, self.states_at = gradient_at(self.layout, itemsizes), states_at(self.layout, itemsizes)
         self.slots = [aligned_buffer(self.states_at + self.layout.piece_bytes) for _ in range(SLOTS)]
         self.window_shapes = [tuple(params[p.index].shape) if p.numel == file.numels[p.index] else (p.numel,)
                               for p in self.layout.pieces]  # a whole parameter keeps its shape (a 0-d one counts)
@@ -279,20 +280,18 @@ class _Stream:
                                    f"(Tensor.from_numpy), and {name} does not on this MindSpore")
             return p
 
-        param = bound(self._param_array(slot, piece), f"zero_offload.{n}.param")
-        grad = bound(self._gradient_array(slot, piece), f"zero_offload.{n}.grad")
+        param = bound(self._piece_array(slot, piece), f"zero_offload.{n}.param")
+        grad = bound(self._piece_array(slot, piece, self.gradient_at), f"zero_offload.{n}.grad")
         states = {a: bound(self.disk.state_array(slot[self.states_at:], piece, a), f"zero_offload.{n}.{a}")
                   for a in self.disk.state_attrs}
         return _Applied(optimizer_view(self.optim_layout, [piece.index], [param], {a: [s] for a, s in states.items()},
                                        share_scalars=True), grad)
 
-    def _param_array(self, slot, piece):
+    def _piece_array(self, slot, piece, at: int = 0):
+        """The region of ``slot`` at byte ``at`` as the piece's elements in its parameter's dtype: its values (0) or
+        its gradient (``gradient_at``)."""
         dtype = self.param_dtypes[piece.index]
-        return slot[:piece.numel * dtype.itemsize].view(dtype)
-
-    def _gradient_array(self, slot, piece):
-        dtype = self.param_dtypes[piece.index]
-        return slot[self.gradient_at:self.gradient_at + piece.numel * dtype.itemsize].view(dtype)
+        return slot[at:at + piece.numel * dtype.itemsize].view(dtype)
 
     def update(self, grads) -> None:
         """Apply the optimizer to every piece, the gradients taken from ``grads`` (one Tensor or Parameter per
@@ -326,10 +325,11 @@ class _Stream:
                 pending = self.disk.reader.submit(read, k + 1)
             for live, before in scalars:
                 live[...] = before
+            slot = self.slots[k % SLOTS]
             values = params[piece.index][piece.start:piece.stop]
-            window = self._param_array(self.slots[k % SLOTS], piece)
+            window = self._piece_array(slot, piece)
             window[...] = values
-            self._gradient_array(self.slots[k % SLOTS], piece)[...] = grads[piece.index][piece.start:piece.stop]
+            self._piece_array(slot, piece, self.gradient_at)[...] = grads[piece.index][piece.start:piece.stop]
             with without_process_cache():  # a view compiles at its first call
                 self.view_of[k]()
             values[...] = window
