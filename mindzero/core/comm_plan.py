@@ -3,7 +3,8 @@
 :func:`step_calls` lists every collective a rank issues in one optimizer step (``K``
 micro-steps), in the order the train step issues them, from the partition plan, the
 stage, the world (its groups and backend) and ``comm_fusion``. The train step builds its reducers and gathers
-from the same :func:`step_buckets`, so the list is what runs; ``tests/multirank`` counts the
+from the same :func:`step_buckets`, and stage 3's weight gathers from the same records
+(:class:`~mindzero.core.units.WeightGather`, ``ZeroState.gathers``), so the list is what runs; ``tests/multirank`` counts the
 collectives actually called (PyNative) and compares.
 
 Sizes: ``nbytes`` is the full tensor of the call (an all-reduce's or reduce-scatter's
@@ -24,6 +25,7 @@ from .config import FusionConfig, StagePolicy
 from .plan import REASON_PERSISTENT
 from .quant import payload_bytes
 from .topology import COLLECTIVES, World
+from .units import Read, weight_gathers
 from .optim_plan import FLAT, OWNER
 from .state import ALL_GATHER, ALL_REDUCE, BROADCAST_FROM, REDUCE_SCATTER, CommBucket, ParamState, ZeroState
 
@@ -90,20 +92,30 @@ def reduce_scatter_calls(specs, world: World, phase: str) -> list:
     return calls
 
 
-def gathered_bytes(spec, quant=None) -> int:
-    """Bytes one rank sends in a gather of ``spec``'s shard: the shard, or with ``quant`` (a
-    :class:`~mindzero.core.quant.GatherQuantization` that applies to it) its int8 values and fp32 block scales."""
-    if quant is not None and quant.applies(spec.name, spec.shape):
-        return payload_bytes(spec.shard_size, quant.block_size)
+def gathered_bytes(spec, quant_block=None) -> int:
+    """Bytes one rank sends in a gather of ``spec``'s shard: the shard, or with ``quant_block`` (stage 3's quantized
+    gathers, :mod:`mindzero.core.quant`) its int8 values and an fp32 scale per block."""
+    if quant_block is not None:
+        return payload_bytes(spec.shard_size, quant_block)
     return spec.shard_size * spec.itemsize
 
 
-def all_gather_calls(specs, world: World, phase: str, quant=None) -> list:
-    """One fused all-gather of ``specs``' shards over the op group (``quant``: stage 3's quantized gathers)."""
+def all_gather_calls(specs, world: World, phase: str) -> list:
+    """One fused all-gather of ``specs``' shards over the op group."""
     if world.op_size == 1:
         return []
     ranks = world.world_size if world.emulated else world.op_size
-    return [Call("all_gather", phase, ranks, sum(gathered_bytes(s, quant) for s in specs) * ranks, len(specs))]
+    return [Call("all_gather", phase, ranks, sum(gathered_bytes(s) for s in specs) * ranks, len(specs))]
+
+
+def weight_gather_calls(gather, specs, world: World, phase: str) -> list:
+    """One of stage 3's weight all-gathers (a :class:`~mindzero.core.units.WeightGather`) over the op group: its
+    parameters' shards (``specs``: name -> spec), quantized where the record says."""
+    if world.op_size == 1:
+        return []
+    ranks = world.world_size if world.emulated else world.op_size
+    sent = sum(gathered_bytes(specs[n], gather.quant_block) for n in gather.names)
+    return [Call("all_gather", phase, ranks, sent * ranks, len(gather.names))]
 
 
 def broadcast_calls(specs, world: World, phase: str) -> list:
@@ -212,35 +224,31 @@ def step_calls(state, world: World) -> list:
     config = state.config
     micro, boundary, update = [], [], []
     if config.policy.shard_parameters:
+        # one all-gather per weight gather the network runs (state.gathers: a unit's parameters share one, where
+        # its first member is read, and with regather one in backward where its last member's gradient is reduced)
         sharded = [p for p in state.params if p.sharded]
-        frozen = [s for s in state.plan if s.frozen] if state.plan is not None else []
-        quant = config.stage3.quantization
-        # gather_units: a unit's parameters share one gather, where its first member is read (and, with
-        # regather, one in backward where its last member's gradient is reduced); the rest one each
-        read = [p.spec for p in sharded] + frozen
-        unit_of = {name: unit for unit in state.units for name in unit}
-        by_name = {s.name: s for s in read}
+        by_name = {s.name: s for s in state.plan} if state.plan is not None else {p.name: p.spec for p in sharded}
+        gather_of = {name: g for g in state.gathers for name in g.names}
 
-        def gathers(spec, phase, done):
-            unit = unit_of.get(spec.name)
-            if unit is None:
-                return all_gather_calls([spec], world, phase, quant)
-            if unit in done:
+        def gathers(name, phase, done):
+            g = gather_of.get(name)
+            if g is None or g in done:  # not read by the network, or its unit gathered already
                 return []
-            done.add(unit)
-            return all_gather_calls([by_name[n] for n in unit], world, phase, quant)
+            done.add(g)
+            return weight_gather_calls(g, by_name, world, phase)
 
         forward, backward = set(), set()
-        for spec in read:  # one gather per parameter (or unit) where it is used
-            micro += gathers(spec, "forward", forward)
+        for g in state.gathers:
+            micro += gathers(g.names[0], "forward", forward)
         for p in reversed(sharded):
             if state.regather:
-                micro += gathers(p.spec, "backward", backward)
+                micro += gathers(p.name, "backward", backward)
             micro += reduce_scatter_calls([p.reduce_spec], world, "backward")
         # a frozen weight has no gradient to reduce; backward gathers it again where the gradient of its
         # layer's input is needed (every frozen layer above the lowest trainable one): at most once each
         if state.regather:
-            micro += [c for s in frozen for c in gathers(s, "backward", backward)]
+            frozen = [s for s in state.plan if s.frozen] if state.plan is not None else []
+            micro += [c for s in frozen for c in gathers(s.name, "backward", backward)]
     for b in state.micro:
         micro += reduce_scatter_calls(b.specs, world, "backward")
     for b in state.boundary:
@@ -270,9 +278,14 @@ def plan_state(specs, config, fusion: FusionConfig = FusionConfig(), regather: b
     params = tuple(ParamState(s.name, None, s, r, s.sharded and policy.shard_optimizer_states)
                    for s, r in zip(specs, reduce_specs))
     micro, boundary, gather, owner_grads, broadcasts = step_buckets(params, policy, fusion)
+    quant, by_name = config.stage3.quantization, {s.name: s for s in specs}
+    # one weight gather per sharded parameter, as a network reading each once runs them (without units)
+    gathers = weight_gathers([Read(s.name, "", s.numel * s.itemsize, None) for s in specs if s.sharded], None,
+                             lambda name: quant.block_size if quant is not None and
+                             quant.applies(name, by_name[name].shape) else None) if policy.shard_parameters else ()
     config = replace(config, fusion=fusion)
     return ZeroState(config, None, None, params, micro, boundary, gather, regather=regather, owner_grads=owner_grads,
-                     broadcasts=broadcasts)
+                     broadcasts=broadcasts, gathers=gathers)
 
 
 def summarize(calls) -> dict:

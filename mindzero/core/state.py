@@ -163,7 +163,7 @@ class ZeroState:
     loss_scale_manager: object = None  # nn.DynamicLossScaleUpdateCell or None
     ema: object = None  # mindzero.engine.train_step.ZeroEMA or None
     regather: bool = True  # stage 3, graph mode: gather again in backward (stage3_regather)
-    units: tuple = ()  # stage 3 gather_units: the parameter names of each unit gathered in one collective
+    gathers: tuple = ()  # stage 3: mindzero.core.units.WeightGather per weight all-gather the network runs
     # mindzero.core.comm_plan.Call per collective of one optimizer step (comm_plan.state_calls, filled at assembly):
     calls: tuple = ()  # as this world runs them
     real_calls: tuple = ()  # with real reduce-scatter and sub-group collectives (what GPU/Ascend run)
@@ -179,6 +179,11 @@ class ZeroState:
         order on every rank, and the chain would only add nodes to compile (a load, an add, an assign and their
         ordering per collective: a quarter of a stage-1 step's graph)."""
         return bool(self.owner_grads or self.broadcasts)
+
+    @property
+    def units(self) -> tuple:
+        """The parameter names of each ``gather_units`` unit (several parameters in one all-gather)."""
+        return tuple(g.names for g in self.gathers if g.unit)
 
     @property
     def fusion(self):

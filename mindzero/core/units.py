@@ -1,6 +1,10 @@
 """Stage 3's gather units: which parameters share one all-gather (FSDP2 gathers one flat buffer per module it
 wraps). Pure: no MindSpore import.
 
+:func:`weight_gathers` is the record of stage 3's weight all-gathers: the train step builds one gather per entry
+(:mod:`mindzero.engine.stage3`) and the communication plan counts one per entry (:mod:`mindzero.core.comm_plan`),
+so what runs and what is counted come from one list.
+
 A *unit* is a set of sharded parameters whose shards are concatenated and all-gathered in one collective; each
 reading Cell then takes its parameter's columns of the gathered ``(ranks, unit shard)`` matrix. Graph mode
 merges the identical gathers of a unit's read sites into one (common-subexpression elimination), so the
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Optional
+from typing import Callable, Optional
 
 from .checks import is_int
 
@@ -108,3 +112,36 @@ class GatherUnits:
                     by_cell.setdefault((owner, r.kind), []).append(r)
             units = list(by_cell.values())
         return [tuple(r.name for r in unit) for unit in units if len(unit) > 1]
+
+
+@dataclass(frozen=True)
+class WeightGather:
+    """One of stage 3's weight all-gathers: ``names``, the parameters whose shards travel in it (one parameter, or a
+    unit's members in unit order), and ``quant_block`` (int8 values with an fp32 scale per this many elements,
+    :mod:`mindzero.core.quant`; ``None``: the values as held)."""
+
+    names: tuple
+    quant_block: Optional[int] = None
+
+    @property
+    def unit(self) -> bool:
+        """Several parameters in one collective (``gather_units``)."""
+        return len(self.names) > 1
+
+
+def weight_gathers(reads, units: Optional[GatherUnits] = None,
+                   quant_block: Callable[[str], Optional[int]] = lambda name: None) -> tuple:
+    """The :class:`WeightGather` records of ``reads`` (:class:`Read`: every sharded parameter the network reads,
+    once each, in the network's order): a unit's members (``units.group``) share one, at its first member's
+    place; every other parameter has its own, quantized where ``quant_block(name)`` gives a block size (a quantized
+    parameter is in no unit: its ``Read.kind`` is ``None``)."""
+    unit_of = {name: unit for unit in (units.group(reads) if units is not None else []) for name in unit}
+    out, done = [], set()
+    for r in reads:
+        unit = unit_of.get(r.name)
+        if unit is None:
+            out.append(WeightGather((r.name,), quant_block(r.name)))
+        elif unit not in done:
+            done.add(unit)
+            out.append(WeightGather(unit))
+    return tuple(out)

@@ -60,7 +60,7 @@ def assemble(network, optimizer, config: ZeroConfig, world: World) -> ZeroState:
     state = ZeroState(config, world, plan, params, micro=micro, boundary=boundary, gather=gather,
                       owner_grads=owner_grads, broadcasts=broadcasts, state_attrs=layout.state_attrs,
                       scale_sense=scale_sense, loss_scale_manager=manager, ema=ema, regather=regather,
-                      units=tuple(sharded.units), offload=sharded.offload, layout=layout,
+                      gathers=sharded.gathers, offload=sharded.offload, layout=layout,
                       order=Parameter(Tensor(0, ms.int32), name="zero_collective_order", requires_grad=False))
     state.calls, state.real_calls = state_calls(state)
     return state
@@ -112,11 +112,11 @@ def _decide_updates(layout: OptimizerLayout, params: tuple, config: ZeroConfig, 
 @dataclasses.dataclass
 class _Sharded:
     """What :func:`_shard_state` did: the optimizer's state-tuple attribute names, the CRC-32 of every full value
-    it computed (for the cross-rank check) and stage 3's gather units (parameter names)."""
+    it computed (for the cross-rank check) and stage 3's weight gathers (:class:`~mindzero.core.units.WeightGather`)."""
 
     state_attrs: tuple
     digests: dict
-    units: list
+    gathers: tuple
     offload: object = None
 
 
@@ -132,7 +132,7 @@ def _shard_state(network, layout: OptimizerLayout, config: ZeroConfig, world: Wo
     """
     policy, precision = config.policy, config.precision
     specs = {s.name: s for s in plan}
-    digests, units = {}, []
+    digests, gathers = {}, ()
     wide = ms.float32 if precision.enabled else None
     op_rank = world.op_rank
     for ps in params:  # the one table (core.state.role_of), then the tensors it names
@@ -144,7 +144,7 @@ def _shard_state(network, layout: OptimizerLayout, config: ZeroConfig, world: Wo
             if ps.role.target == FULL_MASTER:
                 ps.target = Parameter(Tensor(full_array(ps.param), wide or ps.param.dtype), name="zero_master." + ps.name)
         done = shard_network_parameters(network, specs, world, config)
-        digests, units = done.digests, done.units
+        digests, gathers = done.digests, done.gathers
         for ps in params:
             if ps.sharded:  # the network holds the shard now; keep no reference to the full Parameter
                 ps.weight = done.shards[ps.name]
@@ -183,7 +183,7 @@ def _shard_state(network, layout: OptimizerLayout, config: ZeroConfig, world: Wo
         for ps in params:
             if ps.spec.dtype == precision.param_dtype:
                 ps.weight.set_dtype(getattr(ms, ps.spec.dtype))
-    return _Sharded(layout.state_attrs, digests, units, offload)
+    return _Sharded(layout.state_attrs, digests, gathers, offload)
 
 
 def _accumulation_buffers(config: ZeroConfig, params: tuple) -> None:

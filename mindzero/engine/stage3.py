@@ -34,7 +34,7 @@ from ..comm.cells import ReduceScatterSum, shard_gather
 from ..core.config import dtype_name
 from ..core.plan import ShardSpec
 from ..core.topology import World
-from ..core.units import Read
+from ..core.units import Read, weight_gathers
 from .materialize import make_shard
 
 SHARD_SUFFIX = "_zero_shard"
@@ -339,11 +339,12 @@ def check_pynative_recompute(network: nn.Cell, specs: dict) -> None:
 class ShardedNetwork:
     """What :func:`shard_network_parameters` did: ``shards`` (parameter name -> shard Parameter, one per full
     Parameter, shared by tied uses), ``digests`` (name -> CRC-32 of each full value it computed, for the
-    cross-rank check) and ``units`` (the parameter names of each gather unit formed, for the plan's calls)."""
+    cross-rank check) and ``gathers`` (the :class:`~mindzero.core.units.WeightGather` records it built one
+    all-gather from each, which the communication plan counts)."""
 
     shards: dict = field(default_factory=dict)
     digests: dict = field(default_factory=dict)
-    units: list = field(default_factory=list)
+    gathers: tuple = ()
 
 
 def shard_network_parameters(network: nn.Cell, specs: dict, world: World, config) -> ShardedNetwork:
@@ -371,25 +372,28 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, config
         return quantization.block_size if quantization is not None and quantization.applies(name, spec.shape) \
             else None
 
-    unit_of = _unit_members(network, specs, units, quant_block) if units is not None else {}
+    # the record first: one gather per entry (a unit's members share theirs); an op group of one rank gathers
+    # nothing, so it forms no unit
+    out.gathers = weight_gathers(_reads(network, specs, quant_block), units if world.op_size > 1 else None,
+                                 lambda name: quant_block(name, specs[name]))
+    gather_of = {name: g for g in out.gathers for name in g.names}
     shards = out.shards
     gathers = {}  # GatherFull.key -> GatherFull, shared by every parameter with that shape and reading dtype
-    members = {}  # unit index -> [(name, GatherFull)], in unit order
+    members = {}  # unit WeightGather -> [(name, GatherFull)], in unit order
     for _, cell in network.cells_and_names():
         attrs = []
         for attr, param in list(cell._params.items()):
             if param is None or param.name not in specs or not specs[param.name].sharded:
                 continue
-            spec = specs[param.name]
+            spec, record = specs[param.name], gather_of[param.name]
             if param.name not in shards:
                 shards[param.name] = make_shard(param, spec, param.name, param.requires_grad, out.digests)
             dtype = compute_dtype(cell)
-            block = quant_block(param.name, spec)
-            key = ("unit", param.name) if param.name in unit_of else GatherFull.key(spec, dtype, block)
+            key = ("unit", param.name) if record.unit else GatherFull.key(spec, dtype, record.quant_block)
             if key not in gathers:
-                gathers[key] = GatherFull(spec, world, dtype, reduce_dtype, block)
-                if param.name in unit_of:
-                    members.setdefault(unit_of[param.name], []).append((param.name, gathers[key]))
+                gathers[key] = GatherFull(spec, world, dtype, reduce_dtype, record.quant_block)
+                if record.unit:
+                    members.setdefault(record, []).append((param.name, gathers[key]))
             del cell._params[attr]
             cell.insert_param_to_cell(attr + SHARD_SUFFIX, shards[param.name])
             cell.insert_child_to_cell(GATHER_PREFIX + attr, gathers[key])
@@ -397,11 +401,9 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, config
         if attrs:
             cell.__class__ = reading_subclass(type(cell), attrs, _full_property, "_mindzero_sharded")
     backend = backend_of(world)
-    for index, unit in sorted(members.items()):
+    for index, record in enumerate(g for g in out.gathers if g.unit):
+        unit = members[record]
         gather = backend.unit_gather([shards[name] for name, _ in unit])
-        if gather is None:  # nothing is gathered (an op group of one rank): each reads its own, as without units
-            continue
-        out.units.append(tuple(name for name, _ in unit))
         for (name, reader), offset in zip(unit, gather.offsets):
             spec, shard = specs[name], shards[name]
             port = backend.gradient_port(spec.numel, spec.padding, reduce_dtype, gather.kept,
@@ -413,9 +415,9 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, config
     return out
 
 
-def _unit_members(network: nn.Cell, specs: dict, units, quant_block) -> dict:
-    """Parameter name -> the index of its unit (:meth:`~mindzero.core.units.GatherUnits.group`), for the sharded
-    parameters read by one Cell and gathered exactly; the others are in no unit."""
+def _reads(network: nn.Cell, specs: dict, quant_block) -> list:
+    """A :class:`~mindzero.core.units.Read` per sharded parameter ``network`` reads, in its Cells' order: the
+    first Cell reading it, and its kind (``None``, in no unit, where several Cells read it or it is quantized)."""
     readers, order = {}, []
     for cell_name, cell in network.cells_and_names():
         for param in cell._params.values():
@@ -429,4 +431,4 @@ def _unit_members(network: nn.Cell, specs: dict, units, quant_block) -> dict:
         spec = specs[name]
         alone = len(readers[name]) > 1 or quant_block(name, spec) is not None  # tied, or quantized
         reads.append(Read(name, readers[name][0], spec.numel * spec.itemsize, None if alone else (spec.dtype,)))
-    return {name: index for index, unit in enumerate(units.group(reads)) for name in unit}
+    return reads

@@ -129,7 +129,7 @@ def test_the_plan_counts_quantized_gather_bytes():
     quant = step_calls(plan_state(list(plan), quant_cfg), world)
     assert [(c.op, c.phase) for c in exact] == [(c.op, c.phase) for c in quant]
     w = plan["w"]
-    assert gathered_bytes(w, quant_cfg.stage3.quantization) == Q.payload_bytes(w.shard_size, 256) == 38400 + 4 * 150
+    assert gathered_bytes(w, quant_cfg.stage3.quantization.block_size) == Q.payload_bytes(w.shard_size, 256) == 38400 + 4 * 150
     gathers = [c for c in quant if c.op == "all_gather"]
     assert sorted({c.nbytes for c in gathers}) == sorted({4 * 4 * plan["b"].shard_size, 4 * Q.payload_bytes(
         w.shard_size, 256)})

@@ -4,11 +4,12 @@ import dataclasses
 
 import pytest
 
+from mindzero.core import quant as Q
 from mindzero.core.comm_plan import plan_state, step_calls, summarize
 from mindzero.core.config import ZeroConfig
 from mindzero.core.plan import ParamInfo, PartitionPlan
 from mindzero.core.topology import EMULATED, World
-from mindzero.core.units import GatherUnits, Read
+from mindzero.core.units import GatherUnits, Read, WeightGather, weight_gathers
 
 F32 = ("float32",)
 
@@ -97,7 +98,9 @@ def test_the_plan_gathers_each_unit_once_and_reduces_each_parameter(regather):
     config = ZeroConfig.from_arguments({"zero_stage": 3})
     one = plan_state(list(plan), config, regather=regather)
     units = (("b0.w", "b0.bias", "b0.g"), ("b1.w", "b1.bias", "b1.g"))
-    grouped = dataclasses.replace(one, units=units)
+    reads = [Read(s.name, s.name.split(".")[0], s.numel * 4, (s.dtype,)) for s in plan if s.sharded]
+    grouped = dataclasses.replace(one, gathers=weight_gathers(reads, GatherUnits(cells=("b*",))))
+    assert grouped.units == units
     per_param, per_unit = step_calls(one, world), step_calls(grouped, world)
     gathers = [c for c in per_unit if c.op == "all_gather"]
     phases = 2 if regather else 1
@@ -112,3 +115,22 @@ def test_the_plan_gathers_each_unit_once_and_reduces_each_parameter(regather):
     # forward: a unit gathers where its first member is read; backward: where its last member's gradient is
     assert [(c.op, c.phase, c.tensors) for c in per_unit if c.op == "all_gather"][:3] == \
         [("all_gather", "forward", 1), ("all_gather", "forward", 3), ("all_gather", "forward", 3)]
+
+
+def test_the_weight_gather_record_is_what_the_plan_counts():
+    """weight_gathers: a unit's members share one record at its first member's place, a parameter in no unit
+    (tied or quantized: kind None) has its own with its block size; step_calls issues one forward all-gather per
+    record, of the members' shards (a quantized one: its payload), in the record's order."""
+    world = World.of_sizes(4, 4, EMULATED)
+    plan = _gpt_plan(world)
+    reads = [Read("embed", "", plan["embed"].numel * 4, None)]  # tied: read by two Cells
+    reads += [Read(s.name, s.name.split(".")[0], s.numel * 4, (s.dtype,)) for s in plan if s.name != "embed"]
+    record = weight_gathers(reads, GatherUnits(cells=("b0",)), lambda name: 64 if name == "b1.w" else None)
+    assert record == (WeightGather(("embed",)), WeightGather(("b0.w", "b0.bias", "b0.g")),
+                      WeightGather(("b1.w",), 64), WeightGather(("b1.bias",)), WeightGather(("b1.g",)))
+    assert weight_gathers(reads) == tuple(WeightGather((r.name,)) for r in reads)  # no units: one each
+    state = dataclasses.replace(plan_state(list(plan), ZeroConfig.from_arguments({"zero_stage": 3})), gathers=record)
+    forward = [c for c in step_calls(state, world) if c.phase == "forward"]
+    assert [c.tensors for c in forward] == [1, 3, 1, 1, 1]
+    assert forward[1].nbytes == 4 * sum(plan[n].shard_size * 4 for n in ("b0.w", "b0.bias", "b0.g"))
+    assert forward[2].nbytes == 4 * Q.payload_bytes(plan["b1.w"].shard_size, 64)
