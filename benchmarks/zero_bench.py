@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from mindzero.core.estimate import paper_formula  # noqa: E402
+from mindzero.core.offload import DEFAULT_CHUNK_MB  # noqa: E402
 from mindzero.launch.link import LinkShape  # noqa: E402
 from mindzero.launch.local import msrun  # noqa: E402
 from zero_bench_worker import add_model_args, model_args  # noqa: E402
@@ -59,7 +60,7 @@ def run_config(config, world, out, a):
         return [json.loads((run_dir / f"rank_{r}.json").read_text()) for r in range(world)]
     args = ["--config", config, "--steps", str(a.steps), "--bucket-mib", str(a.bucket_mib),
             "--optimizer", getattr(a, "optimizer", "adamw"),
-            "--persistence", str(a.persistence), *model_args(a)]
+            "--persistence", str(a.persistence), "--chunk-mb", str(getattr(a, "chunk_mb", DEFAULT_CHUNK_MB)), *model_args(a)]
     if config != "dp" and not a.eager:
         args.append("--lazy")
     if config == "dp" and a.time_collectives:
@@ -315,6 +316,7 @@ def main(argv=None):
     ap.add_argument("--reuse", action="store_true", help="reuse finished configurations under --out")
     ap.add_argument("--persistence", type=int, default=100_000,
                     help="stage3_param_persistence_threshold of the 'p' configurations (e.g. 3p)")
+    ap.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB, help="offload_chunk_mb of the 'd' configurations (e.g. 2d)")
     ap.add_argument("--link-rate", help="run every launch behind a shaped loopback of this rate, shared by the ranks "
                                         "(e.g. 200mbit; mindzero.launch.link, docs/launch.md)")
     ap.add_argument("--link-delay", help="with --link-rate: delay added to every packet (e.g. 1ms; needs sch_netem)")

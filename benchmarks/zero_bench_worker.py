@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 
 from mindzero.core.host import reset_peak, status_kib  # noqa: E402,F401  (the benchmarks import them from here too)
+from mindzero.core.offload import DEFAULT_CHUNK_MB  # noqa: E402
 
 MODEL_DEFAULTS = {"vocab": 8192, "dim": 768, "layers": 14, "heads": 12, "seq": 64, "batch": 2}  # 105M parameters
 
@@ -77,7 +78,7 @@ def parse_args():
                     help="nn.AdamWeightDecay (default), mindone's CAME, or mindone's Muon (Newton-Schulz in fp32) "
                     "for the matrices with AdamW for the rest")
     ap.add_argument("--offload-dir", help="disk offload's directory (default: <out>/offload)")
-    ap.add_argument("--chunk-mb", type=float, default=8, help="disk offload's offload_chunk_mb")
+    ap.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB, help="disk offload's offload_chunk_mb")
     ap.add_argument("--persistence", type=int, default=100_000, help="the threshold of a 'p' configuration")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=10, help="steps after the first")

@@ -26,7 +26,7 @@ from .checks import is_number
 
 #: what ``optimizer_offload`` accepts: ``False``, ``True`` (= ``"host"``, mindone's), ``"host"``, ``"disk"``
 OFFLOAD_TIERS = ("host", "disk")
-DEFAULT_CHUNK_MB = 8
+DEFAULT_CHUNK_MB = 2
 #: pieces of a parameter start at multiples of this many elements (page-sized reads and writes)
 PIECE_ALIGN = 4096
 #: every state of a piece starts at a multiple of this many bytes, in the file and in memory: vectorised update

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from .checks import is_int, require_bool, require_int
+from .offload import DEFAULT_CHUNK_MB
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ OPTIONS = (
            "`None` (1% of the model's elements) or an int >= 0: the most elements kept whole in all (stage 3)"),
     Option("offload_dir", None, "`None` or a directory (with `optimizer_offload=\"disk\"`): each rank's state file "
                                 "goes in `rank_<r>/` under it"),
-    Option("offload_chunk_mb", 8, "a number > 0: MiB of optimizer states streamed per piece (disk offload)"),
+    Option("offload_chunk_mb", DEFAULT_CHUNK_MB, "a number > 0: MiB of optimizer states streamed per piece (disk offload)"),
     Option("offload_keep", False, "a bool: leave the state files at exit (disk offload)"),
     Option("compile_cache", None, "`None` or a directory: the compiled train step is kept there, under a key of "
                                   "everything that shapes it, and the next launch with the same key loads it"),

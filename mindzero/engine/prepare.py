@@ -14,6 +14,7 @@ from mindspore import nn
 
 from ..comm.groups import world_for
 from ..core.config import ZeroConfig
+from ..core.offload import DEFAULT_CHUNK_MB
 from ..core.options import OPTIONS, merge_settings, off_defaults
 from ..core.settings import resolve_settings
 from ..core.versions import check_mindspore, warn_deviation
@@ -31,7 +32,7 @@ def prepare_train_network(network, optimizer, scale_sense=1.0, ema=None, updates
                           comm_fusion=None, parallel_modules=None, stage3_regather=True, param_dtype=None,
                           reduce_dtype=None, shard_frozen=True, gather_quantization=None, gather_units=None,
                           stage3_param_persistence_threshold=100_000,
-                          stage3_model_persistence_threshold=None, offload_dir=None, offload_chunk_mb=8,
+                          stage3_model_persistence_threshold=None, offload_dir=None, offload_chunk_mb=DEFAULT_CHUNK_MB,
                           offload_keep=False, compile_cache=None, update_sharding="auto", config=None):
     """Wrap ``network`` (which returns the loss) and ``optimizer`` into a ZeRO train step.
 
