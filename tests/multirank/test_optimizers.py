@@ -22,6 +22,12 @@ from . import WORKERS
 from .worker_optimizers import STEPS
 
 FLAT_RTOL = 1e-6  # relative to the tensor's largest magnitude: a few ulps after four steps
+FP16_RTOL = 2.0 ** -10
+# accumulation against plain DP on the micro-batches concatenated: the micro-batches' gradients are summed where
+# the concatenated batch's are not (stage 0 itself: 3.4e-7 at 4 ranks), and stages 2-3 reduce each micro-batch's
+# gradient before summing them (over ranks, then micro-batches; stage 0 the other way round): 1.2e-6 at 4 ranks
+# with nn.AdamWeightDecay, whose update divides by the root of the second moment
+ACCUMULATION_RTOL = 2e-6
 LAUNCH = Launch("out", lambda n, full: [], ranks=2)
 
 
@@ -36,6 +42,14 @@ def _load(out, rank, name):
     return load_npz(out / f"rank_{rank}" / f"{name}.npz")
 
 
+def _rtol(case, ref) -> float:
+    """FLAT_RTOL (ACCUMULATION_RTOL with accumulation), or for a tensor held in fp16 one unit in its last place
+    (2^-10 relative): an fp32 master a few ulps off may round to the neighbouring fp16 value."""
+    if ref.dtype == np.float16:
+        return FP16_RTOL
+    return ACCUMULATION_RTOL if case.accumulation > 1 else FLAT_RTOL
+
+
 def _rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
@@ -44,27 +58,33 @@ def _rel(a, b) -> float:
 @pytest.mark.parametrize("case", case_params(CASES))
 def test_every_optimizer_trains_as_plain_data_parallel(out, case):
     """Each parameter gets the mode the table says (flat where the update is element-wise, owned whole
-    elsewhere); losses and final parameters equal plain DP's: bit for bit where every parameter is owned whole,
-    within FLAT_RTOL where some are flat."""
+    elsewhere); losses and final parameters (and fp32 masters) equal the case's reference (plain DP; with
+    param_dtype stage 0 of the same options): bit for bit where every parameter is owned whole, within FLAT_RTOL
+    where some are flat, ACCUMULATION_RTOL with accumulation."""
     n, out, full = out
-    ref = _load(out, 0, f"{case.name}-dp")
+    ref = _load(out, 0, f"{case.name}-{case.reference}")
     want = {p.name: case.mode(p.shape) for p in build().trainable_params()}
+    keys = [k for k in ref if k.startswith("param/")]
+    assert not case.mixed or any(k.endswith("@master") for k in keys)  # param_dtype: the fp32 masters compared too
     for stage in stages_for(case, full):
         for rank in range(n):
             got = _load(out, rank, f"{case.name}-{stage}")
             modes = {k[len("mode/"):]: str(v) for k, v in got.items() if k.startswith("mode/")}
             assert modes == want, (case.name, stage, modes)
-            exact = all(m == OWNER for m in modes.values())
-            for key in [k for k in ref if k.startswith("param/")]:
+            # owned whole: the very update, bit for bit, but with accumulation (ACCUMULATION_RTOL)
+            exact = all(m == OWNER for m in modes.values()) and case.accumulation == 1
+            for key in keys:
                 if exact:
                     np.testing.assert_array_equal(got[key], ref[key], err_msg=f"{case.name} stage {stage} {key}")
                 else:
-                    assert _rel(got[key], ref[key]) <= FLAT_RTOL, (case.name, stage, key, _rel(got[key], ref[key]))
+                    assert _rel(got[key], ref[key]) <= _rtol(case, ref[key]), (case.name, stage, key,
+                                                                _rel(got[key], ref[key]))
             assert len(got["losses"]) == STEPS
+            ref_losses = _load(out, rank, f"{case.name}-{case.reference}")["losses"]
             if exact:
-                np.testing.assert_array_equal(got["losses"], _load(out, rank, f"{case.name}-dp")["losses"])
+                np.testing.assert_array_equal(got["losses"], ref_losses)
             else:
-                assert _rel(got["losses"], _load(out, rank, f"{case.name}-dp")["losses"]) <= FLAT_RTOL
+                assert _rel(got["losses"], ref_losses) <= _rtol(case, got["losses"])
 
 
 @pytest.mark.parametrize("case", case_params([c for c in CASES if OWNER in (c.matrix, c.vector)]))
@@ -83,7 +103,7 @@ def test_owners_are_spread_and_the_report_counts_what_is_held(out, case):
         for r in rows:
             assert int(r["moments"]) == int(r["expected_moments"]), (case.name, stage)
             assert int(r["masters"]) == int(r["expected_masters"]), (case.name, stage)
-            if stage < 3 and all(m == OWNER for m in (case.matrix, case.vector)):  # fp32: the owner updates the
+            if stage < 3 and all(m == OWNER for m in (case.matrix, case.vector)) and not case.mixed:  # fp32: the owner updates the
                 assert int(r["masters"]) == 0, (case.name, stage)  # user's Parameter, no master beside it
             np.testing.assert_array_equal(r["balance"], rows[0]["balance"])
 

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 import mindspore as ms
-from mindspore import nn
+from mindspore import nn, ops
 
 import mindzero
 from tests.support.optimizers import BY_NAME, CASES, OptNet, build, stages_for
@@ -48,15 +48,25 @@ def _train(case, stage, world, steps, lazy):
         step = ReferenceStep(net, opt) if case.torch_style else nn.TrainOneStepCell(net, opt)
     else:
         step = mindzero.prepare_train_network(net, opt, zero_stage=stage, **dict(case.options))
-    losses = []
+    losses, k = [], case.accumulation
     for s in range(steps):
-        out = step(*OptNet.batch(s, world.world_rank))
-        losses.append(float((out if stage == "dp" else out[0]).asnumpy()))
+        if k == 1:
+            out = step(*OptNet.batch(s, world.world_rank))
+            losses.append(float((out if stage == "dp" else out[0]).asnumpy()))
+            continue
+        micro = [OptNet.batch(k * s + m, world.world_rank, n=2) for m in range(k)]
+        if stage == "dp":  # one update on the micro-batches concatenated
+            out = step(*(ops.concat(list(t)) for t in zip(*micro)))
+            losses.append(float(out.asnumpy()))
+        else:  # the mean of the micro-batches' losses: the concatenated batch's loss
+            losses.append(float(np.mean([step(*inputs)[0].asnumpy() for inputs in micro])))
     if stage == "dp":
         params = {p.name: p.asnumpy() for p in net.trainable_params()}
         return dict(losses=np.array(losses), **{"param/" + k: v for k, v in params.items()})
     info = step.zero_info
     params = mindzero.gather_full_state_dict(step)
+    if case.mixed:
+        params.update({name + "@master": v for name, v in mindzero.gather_full_state_dict(step, masters=True).items()})
     report = mindzero.memory_report(step)
     modes = {ps.name: ps.update.mode for ps in info.params}
     owners = {ps.name: -1 if ps.update.owner is None else ps.update.owner for ps in info.params}
@@ -144,7 +154,7 @@ def main():
             continue
         if case.full_only and not worker.args.full_tier:
             continue
-        for stage in ("dp", *stages_for(case, worker.args.full_tier)):
+        for stage in (case.reference, *stages_for(case, worker.args.full_tier)):
             np.savez(out_dir / f"{case.name}-{stage}.npz", **train(case, stage, world))
         print(f"optimizer {case.name}: done", flush=True)
     # owner mode under lazy_init: the network and optimizer built unmaterialised, each rank keeping its shards and

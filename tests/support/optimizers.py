@@ -104,6 +104,24 @@ class OptimizerCase:
     def mode(self, shape) -> str:
         return self.matrix if len(shape) >= 2 else self.vector
 
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per update (``gradient_accumulation_steps``); plain data parallel trains on them
+        concatenated."""
+        return int(dict(self.options).get("gradient_accumulation_steps", 1))
+
+    @property
+    def mixed(self) -> bool:
+        """``param_dtype`` set: fp16 parameters updated through fp32 masters."""
+        return dict(self.options).get("param_dtype") is not None
+
+    @property
+    def reference(self):
+        """What the case's stages are compared with: ``"dp"``, plain data parallel with the same optimizer; ``0``,
+        mindzero's stage 0 with the same options, where plain data parallel has no counterpart (``param_dtype``:
+        every rank updates the whole fp32 masters, then casts them into the fp16 parameters)."""
+        return 0 if self.mixed else "dp"
+
 
 def _eo(name, **kw):
     return OptimizerCase(f"experimental.{name}", lambda ps: getattr(eo, name)(ps, lr=1e-2, **kw), torch_style=True)
@@ -157,6 +175,17 @@ CASES = [
     OptimizerCase("mindone.CAME", came, matrix=OWNER, vector=OWNER),
     OptimizerCase("mindone.CAME-finetune", came_finetune, matrix=OWNER, vector=OWNER, full_only=True),
     OptimizerCase("mindone.Muon", muon, torch_style=True, matrix=OWNER, vector=OWNER),
+    # fp16 parameters with fp32 masters (against stage 0 of the same options), and accumulation over two
+    # micro-batches (against plain data parallel on them concatenated): one flat and one owner-mode optimizer each,
+    # one of each in the default tier
+    OptimizerCase("nn.AdamWeightDecay-param_dtype", lambda ps: nn.AdamWeightDecay(ps, 1e-2, weight_decay=0.05),
+                  options=(("param_dtype", "float16"),)),
+    OptimizerCase("mindone.CAME-param_dtype", came, matrix=OWNER, vector=OWNER, options=(("param_dtype", "float16"),),
+                  full_only=True),
+    OptimizerCase("mindone.CAME-accumulation", came, matrix=OWNER, vector=OWNER,
+                  options=(("gradient_accumulation_steps", 2),)),
+    OptimizerCase("nn.AdamWeightDecay-accumulation", lambda ps: nn.AdamWeightDecay(ps, 1e-2, weight_decay=0.05),
+                  options=(("gradient_accumulation_steps", 2),), full_only=True),
 ]
 #: the table this MindSpore runs: a case it ships but does not run is refused by mindzero instead
 #: (tests/single/test_optimizers.py checks the refusal)
