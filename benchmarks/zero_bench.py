@@ -299,7 +299,7 @@ def charts(rows, out: Path) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", default="2,4")
-    ap.add_argument("--optimizer", default="adamw", choices=("adamw", "came", "muon"),
+    ap.add_argument("--optimizer", default="adamw", choices=("adamw", "adafactor", "came", "muon"),
                     help="the GPT's optimizer (zero_bench_worker.py); 'o' configurations own every sharded parameter "
                     "whole whatever it is")
     ap.add_argument("--configs", default="dp,0,1,2,3")

@@ -74,9 +74,9 @@ def parse_args():
                     "every parameter is sharded (threshold 0); 'd' (e.g. '3d'): the optimizer states on disk "
                     "(optimizer_offload='disk' under --offload-dir); 'o' (e.g. '2o'): every sharded parameter updated whole on an "
                     "owner rank (update_sharding='owner')")
-    ap.add_argument("--optimizer", default="adamw", choices=("adamw", "came", "muon"),
-                    help="nn.AdamWeightDecay (default), mindone's CAME, or mindone's Muon (Newton-Schulz in fp32) "
-                    "for the matrices with AdamW for the rest")
+    ap.add_argument("--optimizer", default="adamw", choices=("adamw", "adafactor", "came", "muon"),
+                    help="nn.AdamWeightDecay (default), nn.AdaFactor at a fixed learning rate, mindone's CAME, or "
+                    "mindone's Muon (Newton-Schulz in fp32) for the matrices with AdamW for the rest")
     ap.add_argument("--offload-dir", help="disk offload's directory (default: <out>/offload)")
     ap.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB, help="disk offload's offload_chunk_mb")
     ap.add_argument("--persistence", type=int, default=100_000, help="the threshold of a 'p' configuration")
@@ -116,6 +116,9 @@ def build(a, lazy: bool):
         kind = getattr(a, "optimizer", "adamw")
         if kind == "adamw":
             return nn.AdamWeightDecay(params, 1e-4, weight_decay=0.01)
+        if kind == "adafactor":  # the fine-tuning setting: a fixed learning rate
+            return nn.AdaFactor(params, learning_rate=1e-4, scale_parameter=False, relative_step=False,
+                                warmup_init=False)
         from tests.support.optimizers import came, muon
 
         return came(params) if kind == "came" else muon(params, lr=1e-4)
