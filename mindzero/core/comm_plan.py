@@ -4,8 +4,8 @@
 micro-steps), in the order the train step issues them, from the partition plan, the
 stage, the world (its groups and backend) and ``comm_fusion``. The train step builds its reducers and gathers
 from the same :func:`step_buckets`, and stage 3's weight gathers from the same records
-(:class:`~mindzero.core.units.WeightGather`, ``ZeroState.gathers``), so the list is what runs; ``tests/multirank`` counts the
-collectives actually called (PyNative) and compares.
+(:class:`~mindzero.core.units.WeightGather`, ``ZeroState.gathers``), so the list is what runs;
+``tests/multirank`` counts the collectives actually called (PyNative) and compares.
 
 Sizes: ``nbytes`` is the full tensor of the call (an all-reduce's or reduce-scatter's
 input, an all-gather's output). ``traffic`` is what a ring algorithm sends per rank:
@@ -278,11 +278,16 @@ def plan_state(specs, config, fusion: FusionConfig = FusionConfig(), regather: b
     params = tuple(ParamState(s.name, None, s, r, s.sharded and policy.shard_optimizer_states)
                    for s, r in zip(specs, reduce_specs))
     micro, boundary, gather, owner_grads, broadcasts = step_buckets(params, policy, fusion)
-    quant, by_name = config.stage3.quantization, {s.name: s for s in specs}
-    # one weight gather per sharded parameter, as a network reading each once runs them (without units)
-    gathers = weight_gathers([Read(s.name, "", s.numel * s.itemsize, None) for s in specs if s.sharded], None,
-                             lambda name: quant.block_size if quant is not None and
-                             quant.applies(name, by_name[name].shape) else None) if policy.shard_parameters else ()
+    gathers = ()
+    if policy.shard_parameters:  # one weight gather per sharded parameter, as a network reading each once (no units)
+        quant, by_name = config.stage3.quantization, {s.name: s for s in specs}
+
+        def quant_block(name):
+            applies = quant is not None and quant.applies(name, by_name[name].shape)
+            return quant.block_size if applies else None
+
+        gathers = weight_gathers([Read(s.name, "", s.numel * s.itemsize, None) for s in specs if s.sharded], None,
+                                 quant_block)
     config = replace(config, fusion=fusion)
     return ZeroState(config, None, None, params, micro, boundary, gather, regather=regather, owner_grads=owner_grads,
                      broadcasts=broadcasts, gathers=gathers)
