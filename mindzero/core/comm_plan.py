@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from .config import FusionConfig, StagePolicy
 from .plan import REASON_PERSISTENT
-from .quant import payload_bytes
+from .quant import block_for, payload_bytes
 from .topology import COLLECTIVES, World
 from .units import Read, weight_gathers
 from .optim_plan import FLAT, OWNER
@@ -100,22 +100,13 @@ def gathered_bytes(spec, quant_block=None) -> int:
     return spec.shard_size * spec.itemsize
 
 
-def all_gather_calls(specs, world: World, phase: str) -> list:
-    """One fused all-gather of ``specs``' shards over the op group."""
+def all_gather_calls(specs, world: World, phase: str, quant_block=None) -> list:
+    """One fused all-gather of ``specs``' shards over the op group (``quant_block``: stage 3's quantized gather of
+    a :class:`~mindzero.core.units.WeightGather`)."""
     if world.op_size == 1:
         return []
     ranks = world.world_size if world.emulated else world.op_size
-    return [Call("all_gather", phase, ranks, sum(gathered_bytes(s) for s in specs) * ranks, len(specs))]
-
-
-def weight_gather_calls(gather, specs, world: World, phase: str) -> list:
-    """One of stage 3's weight all-gathers (a :class:`~mindzero.core.units.WeightGather`) over the op group: its
-    parameters' shards (``specs``: name -> spec), quantized where the record says."""
-    if world.op_size == 1:
-        return []
-    ranks = world.world_size if world.emulated else world.op_size
-    sent = sum(gathered_bytes(specs[n], gather.quant_block) for n in gather.names)
-    return [Call("all_gather", phase, ranks, sent * ranks, len(gather.names))]
+    return [Call("all_gather", phase, ranks, sum(gathered_bytes(s, quant_block) for s in specs) * ranks, len(specs))]
 
 
 def broadcast_calls(specs, world: World, phase: str) -> list:
@@ -235,7 +226,7 @@ def step_calls(state, world: World) -> list:
             if g is None or g in done:  # not read by the network, or its unit gathered already
                 return []
             done.add(g)
-            return weight_gather_calls(g, by_name, world, phase)
+            return all_gather_calls([by_name[n] for n in g.names], world, phase, g.quant_block)
 
         forward, backward = set(), set()
         for g in state.gathers:
@@ -281,13 +272,8 @@ def plan_state(specs, config, fusion: FusionConfig = FusionConfig(), regather: b
     gathers = ()
     if policy.shard_parameters:  # one weight gather per sharded parameter, as a network reading each once (no units)
         quant, by_name = config.stage3.quantization, {s.name: s for s in specs}
-
-        def quant_block(name):
-            applies = quant is not None and quant.applies(name, by_name[name].shape)
-            return quant.block_size if applies else None
-
         gathers = weight_gathers([Read(s.name, "", s.numel * s.itemsize, None) for s in specs if s.sharded], None,
-                                 quant_block)
+                                 lambda name: block_for(quant, name, by_name[name].shape))
     config = replace(config, fusion=fusion)
     return ZeroState(config, None, None, params, micro, boundary, gather, regather=regather, owner_grads=owner_grads,
                      broadcasts=broadcasts, gathers=gathers)

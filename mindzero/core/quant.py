@@ -100,6 +100,12 @@ class GatherQuantization:
                 "exclude": list(self.exclude)}
 
 
+def block_for(quantization, name: str, shape):
+    """The block size ``name`` (of ``shape``) is gathered with under ``quantization`` (a :class:`GatherQuantization`,
+    or ``None``: no quantized gathers), or ``None`` where it is gathered as held."""
+    return quantization.block_size if quantization is not None and quantization.applies(name, shape) else None
+
+
 def blocks(shard_size: int, block: int) -> int:
     """Blocks of one rank's shard."""
     return -(-int(shard_size) // int(block))

@@ -33,6 +33,7 @@ from ..comm.backends import backend_of
 from ..comm.cells import ReduceScatterSum, shard_gather
 from ..core.config import dtype_name
 from ..core.plan import ShardSpec
+from ..core.quant import block_for
 from ..core.topology import World
 from ..core.units import Read, weight_gathers
 from .materialize import make_shard
@@ -369,8 +370,7 @@ def shard_network_parameters(network: nn.Cell, specs: dict, world: World, config
     out = ShardedNetwork()
 
     def quant_block(name, spec):
-        return quantization.block_size if quantization is not None and quantization.applies(name, spec.shape) \
-            else None
+        return block_for(quantization, name, spec.shape)
 
     # the record first: one gather per entry (a unit's members share theirs); an op group of one rank gathers
     # nothing, so it forms no unit
